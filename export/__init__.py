@@ -1,0 +1,353 @@
+"""Export: write a QuantizedModel's quantizers and weights back into its ONNX graph (OPS.md).
+
+Installed as ``qtorch_onnx.export``. The exported model is the normalized input model with quantizer nodes
+on the quantized tensors and the current (possibly finetuned) weights:
+
+* integer activations: ``QuantizeLinear -> DequantizeLinear`` (default domain; ``com.microsoft`` when the
+  model's opset is below 21 and a 16-bit type is used, or below 13 and an axis is needed);
+* integer weights: quantized initializer -> ``DequantizeLinear`` (per tensor or per channel);
+* INT32 bias: int32 initializer -> ``DequantizeLinear``;
+* BF16 / FP16: the Cast form ``[Mul(1/scale)] -> [Clip] -> Cast(to=BFLOAT16|FLOAT16) -> Cast(to=FLOAT) ->
+  [Mul(scale)]``; weights are stored in the 16-bit type and Cast back to float.
+
+Formats that need the custom operator library (INT32/UINT32 activations, BFP, MX, the Q/DQ form of BF16)
+raise :class:`~qtorch_onnx.errors.ExportError` naming the tensor until that library exists.
+
+The producer's output of a quantized activation ``T`` is renamed ``T_QuantizeInput``; the DequantizeLinear
+(or last node of the Cast form) writes ``T`` again, so consumers, graph outputs and value_info keep their
+names.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from qtorch_onnx.errors import ExportError
+from qtorch_onnx.fakequant import FakeQuantize
+from qtorch_onnx.formats import floating as _floating
+from qtorch_onnx.formats import integer as _integer
+from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
+
+__all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "safe_name"]
+
+_INT_ONNX = {
+    (8, True): TensorProto.INT8, (8, False): TensorProto.UINT8, (16, True): TensorProto.INT16,
+    (16, False): TensorProto.UINT16, (32, True): TensorProto.INT32, (32, False): TensorProto.UINT32,
+}
+
+
+@dataclass
+class QuantizerNodes:
+    """Where one quantizer lives in the exported graph: its float input, its output, and its nodes."""
+
+    tensor: str
+    role: str
+    input: str
+    output: str
+    nodes: List[str] = field(default_factory=list)
+    initializers: List[str] = field(default_factory=list)
+
+
+def _opset(model: onnx.ModelProto, domain: str = "") -> int:
+    for o in model.opset_import:
+        if o.domain in (domain, "ai.onnx" if domain == "" else domain):
+            return o.version
+    return 0
+
+
+def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
+    """Write ``model`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".onnx", dir=folder)
+    os.close(fd)
+    try:
+        onnx.save(model, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _current_initializer_values(qm) -> Dict[str, np.ndarray]:
+    """Initializer values as the torch model holds them now (after any finetuning), in ONNX layout."""
+    out: Dict[str, np.ndarray] = {}
+    gm = qm.gm
+    init_names = {t.name for t in qm.onnx_model.graph.initializer}
+    for name in init_names:
+        ref = qm.tensor_map.lookup(name)
+        refs = list(ref) if isinstance(ref, (list, tuple)) else ([ref] if ref is not None else [])
+        for r in refs:
+            if r.kind == "param":
+                module = gm.get_submodule(r.module)
+                if hasattr(module, "parametrizations") and r.attr in module.parametrizations:
+                    value = module.parametrizations[r.attr].original
+                else:
+                    value = getattr(module, r.attr)
+                value = value.detach().cpu()
+                perm = getattr(r, "perm", None)
+                if perm:
+                    value = value.permute(*np.argsort(perm).tolist())
+                out[name] = value.contiguous().numpy()
+                break
+    return out
+
+
+def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool = False, check: bool = True):
+    """Write the quantized model as ONNX.
+
+    Args:
+        qm: a calibrated :class:`~qtorch_onnx.quantizer.QuantizedModel`.
+        path: output file (written atomically); None to only return the model.
+        return_map: also return ``{tensor: QuantizerNodes}`` (used by the per-node parity checks).
+        check: run ``onnx.checker.check_model(full_check=True)``.
+
+    Returns:
+        The exported ``onnx.ModelProto`` (and the map when ``return_map``).
+
+    Raises:
+        ExportError: a quantizer is not calibrated, or its format needs the custom operator library.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(qm.onnx_model)
+    graph = model.graph
+    fqs: Dict[str, FakeQuantize] = qm.quantizers()
+    current = _current_initializer_values(qm)
+    inits = {t.name: t for t in graph.initializer}
+    for name, value in current.items():
+        old = inits[name]
+        if old.data_type == TensorProto.FLOAT:
+            new = numpy_helper.from_array(value.astype(np.float32), name)
+            old.CopyFrom(new)
+
+    opset = _opset(model)
+    needs_16 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits == 16 for f in fqs.values())
+    needs_axis = any(isinstance(f.fmt, IntFormat) and f.scale.dim() > 0 for f in fqs.values())
+    use_ms = (needs_16 and opset < 21) or (needs_axis and opset < 13) or opset < 10
+    qdomain = "com.microsoft" if use_ms else ""
+    if use_ms and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+    producer: Dict[str, onnx.NodeProto] = {}
+    for n in graph.node:
+        for o in n.output:
+            producer[o] = n
+    graph_inputs = {i.name for i in graph.input}
+    new_nodes: Dict[str, List[onnx.NodeProto]] = {}  # inserted after the producer (or at the front)
+    front: List[onnx.NodeProto] = []
+    qmap: Dict[str, QuantizerNodes] = {}
+    consumers_rewire: Dict[str, str] = {}
+
+    for tensor, fq in fqs.items():
+        fmt = fq.fmt
+        if not fq.calibrated:
+            raise ExportError(f"quantizer on tensor {tensor!r} is not calibrated: run calibrate() before export")
+        if isinstance(fmt, (BFPFormat, MXFormat)):
+            raise ExportError(
+                f"tensor {tensor!r}: exporting {fmt.name} needs the BFPQuantizeDequantize/MXQuantizeDequantize "
+                "operator library, which this version does not have yet")
+        if isinstance(fmt, IntFormat) and fq.role == "activation" and fmt.bits == 32:
+            raise ExportError(f"tensor {tensor!r}: INT32/UINT32 activations need ExtendedQuantizeLinear from the "
+                              "operator library, which this version does not have yet")
+        base = safe_name(tensor)
+        is_init = tensor in inits
+        if is_init:
+            value = current.get(tensor)
+            if value is None:
+                value = numpy_helper.to_array(inits[tensor]).astype(np.float32)
+            nodes, new_inits, qn = _weight_nodes(tensor, base, value, fq, qdomain)
+            graph.initializer.remove(inits[tensor])
+            graph.initializer.extend(new_inits)
+            front.extend(nodes)
+        else:
+            if tensor in producer:
+                src = f"{tensor}_QuantizeInput"
+                p = producer[tensor]
+                for k, o in enumerate(p.output):
+                    if o == tensor:
+                        p.output[k] = src
+                out = tensor
+            elif tensor in graph_inputs:
+                src, out = tensor, f"{tensor}_DequantizeLinear_Output"
+                consumers_rewire[tensor] = out
+            else:
+                raise ExportError(f"tensor {tensor!r} is neither produced by a node nor a graph input")
+            nodes, new_inits, qn = _activation_nodes(tensor, base, src, out, fq, qdomain)
+            graph.initializer.extend(new_inits)
+            if tensor in producer:
+                new_nodes.setdefault(producer[tensor].name, []).extend(nodes)
+            else:
+                front.extend(nodes)
+        qmap[tensor] = qn
+
+    # rebuild the node list: inserted nodes right after their producers (keeps topological order)
+    ordered: List[onnx.NodeProto] = list(front)
+    for n in graph.node:
+        if consumers_rewire:
+            for k, i in enumerate(n.input):
+                if i in consumers_rewire:
+                    n.input[k] = consumers_rewire[i]
+        ordered.append(n)
+        ordered.extend(new_nodes.get(n.name, []))
+    for o in graph.output:
+        if o.name in consumers_rewire:
+            raise ExportError(f"graph input {o.name!r} is also a graph output; quantizing it is not supported")
+    del graph.node[:]
+    graph.node.extend(ordered)
+    if check:
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except Exception as exc:
+            raise ExportError(f"exported model fails onnx.checker: {exc}") from exc
+    if path is not None:
+        save_model_atomic(model, path)
+    return (model, qmap) if return_map else model
+
+
+def safe_name(name: str) -> str:
+    """ONNX tensor name -> the stem used for names of the nodes and initializers export adds."""
+    return name.replace(":", "_").replace("/", "_")
+
+
+def _qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProto], str, str]:
+    fmt: IntFormat = fq.fmt
+    scale = fq.scale.detach().cpu().numpy().astype(np.float32)
+    zp = fq.zero_point.detach().cpu().numpy().astype(fmt.numpy_dtype)
+    s_name, z_name = f"{base}_scale", f"{base}_zero_point"
+    return [numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)], s_name, z_name
+
+
+def _axis_attrs(fq: FakeQuantize) -> dict:
+    return {"axis": int(fq.onnx_axis)} if fq.scale.dim() > 0 and fq.onnx_axis is not None else {}
+
+
+def _activation_nodes(tensor, base, src, out, fq: FakeQuantize, qdomain):
+    fmt = fq.fmt
+    qn = QuantizerNodes(tensor, fq.role, src, out)
+    if isinstance(fmt, IntFormat):
+        inits, s, z = _qparam_inits(base, fq)
+        qname, dqname = f"{base}_QuantizeLinear", f"{base}_DequantizeLinear"
+        nodes = [
+            helper.make_node("QuantizeLinear", [src, s, z], [f"{base}_QuantizeLinear_Output"], name=qname,
+                             domain=qdomain, **_axis_attrs(fq)),
+            helper.make_node("DequantizeLinear", [f"{base}_QuantizeLinear_Output", s, z], [out], name=dqname,
+                             domain=qdomain, **_axis_attrs(fq)),
+        ]
+        qn.nodes = [qname, dqname]
+        qn.initializers = [s, z]
+        return nodes, inits, qn
+    # Cast form of BF16 / FP16 (NUMERICS.md section 3)
+    return _cast_form(tensor, base, src, out, fq, qn)
+
+
+def _cast_form(tensor, base, src, out, fq: FakeQuantize, qn: QuantizerNodes):
+    fmt: FloatFormat = fq.fmt
+    to = TensorProto.BFLOAT16 if fmt.kind == "BF16" else TensorProto.FLOAT16
+    scale = float(fq.scale.detach().cpu().reshape(-1)[0]) if fq.scale.numel() == 1 else None
+    if scale is None:
+        raise ExportError(f"tensor {tensor!r}: per-channel BF16/FP16 scales cannot be exported in the Cast form")
+    nodes, inits = [], []
+    cur = src
+    if scale != 1.0:
+        inv = np.array(1.0 / np.float32(scale), dtype=np.float32)
+        inits.append(numpy_helper.from_array(inv, f"{base}_inv_scale"))
+        nodes.append(helper.make_node("Mul", [cur, f"{base}_inv_scale"], [f"{base}_scaled"], name=f"{base}_MulInvScale"))
+        cur = f"{base}_scaled"
+    if fmt.kind == "FP16":
+        lo, hi = np.array(-65504.0, np.float32), np.array(65504.0, np.float32)
+        inits += [numpy_helper.from_array(lo, f"{base}_fp16_min"), numpy_helper.from_array(hi, f"{base}_fp16_max")]
+        nodes.append(helper.make_node("Clip", [cur, f"{base}_fp16_min", f"{base}_fp16_max"], [f"{base}_clipped"],
+                                      name=f"{base}_ClipFP16"))
+        cur = f"{base}_clipped"
+    last = out if scale == 1.0 else f"{base}_Cast_Output"
+    nodes.append(helper.make_node("Cast", [cur], [f"{base}_{fmt.kind}"], to=to, name=f"{base}_Cast{fmt.kind}"))
+    nodes.append(helper.make_node("Cast", [f"{base}_{fmt.kind}"], [last], to=TensorProto.FLOAT, name=f"{base}_CastFloat"))
+    if scale != 1.0:
+        inits.append(numpy_helper.from_array(np.array(scale, np.float32), f"{base}_scale"))
+        nodes.append(helper.make_node("Mul", [last, f"{base}_scale"], [out], name=f"{base}_MulScale"))
+    qn.nodes = [n.name for n in nodes]
+    qn.initializers = [i.name for i in inits]
+    return nodes, inits, qn
+
+
+def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
+    fmt = fq.fmt
+    qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
+    x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+    if isinstance(fmt, IntFormat):
+        axis = fq.onnx_axis if fq.scale.dim() > 0 else None
+        scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()
+        if fq.role == "bias" and fmt.bits == 32:
+            q = _integer.quantize_bias(x, scale, axis=axis)
+        else:
+            q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
+        qarr = q.cpu().numpy().astype(fmt.numpy_dtype)
+        inits, s, z = _qparam_inits(base, fq)
+        inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
+        dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
+                              domain=qdomain, **_axis_attrs(fq))
+        qn.nodes = [dq.name]
+        qn.initializers = [i.name for i in inits]
+        return [dq], inits, qn
+    # BF16/FP16 weights: stored in the 16-bit type, Cast back to float, times the scale
+    fmt_f: FloatFormat = fmt
+    scale = float(fq.scale.detach().cpu().reshape(-1)[0])
+    v = x if scale == 1.0 else x * torch.tensor(np.float32(1.0) / np.float32(scale))
+    if fmt_f.kind == "BF16":
+        import ml_dtypes
+
+        stored = _floating.bf16_round(v).numpy().astype(ml_dtypes.bfloat16)
+        t = numpy_helper.from_array(stored, f"{base}_quantized")
+    else:
+        stored = _floating.fp16_round(v).numpy().astype(np.float16)
+        t = numpy_helper.from_array(stored, f"{base}_quantized")
+    inits = [t]
+    nodes = []
+    last = tensor if scale == 1.0 else f"{base}_Cast_Output"
+    nodes.append(helper.make_node("Cast", [f"{base}_quantized"], [last], to=TensorProto.FLOAT, name=f"{base}_CastFloat"))
+    if scale != 1.0:
+        inits.append(numpy_helper.from_array(np.array(scale, np.float32), f"{base}_scale"))
+        nodes.append(helper.make_node("Mul", [last, f"{base}_scale"], [tensor], name=f"{base}_MulScale"))
+    qn.nodes = [n.name for n in nodes]
+    qn.initializers = [i.name for i in inits]
+    return nodes, inits, qn
+
+
+def quantizer_submodel(exported: onnx.ModelProto, qmap: Dict[str, QuantizerNodes], tensors: List[str]) -> onnx.ModelProto:
+    """A model holding only the quantizer nodes of ``tensors``: inputs are their float inputs (named
+    ``<tensor>__in``), outputs their quantized outputs (``<tensor>__out``). Used to check, node by node, that
+    ONNX Runtime gives the emulation's bits for the emulation's input."""
+    nodes_by_name = {n.name: n for n in exported.graph.node}
+    inits_by_name = {t.name: t for t in exported.graph.initializer}
+    g_nodes, g_inits, g_in, g_out = [], [], [], []
+    for t in tensors:
+        qn = qmap[t]
+        has_input = qn.role == "activation"
+        rename = {qn.output: f"{safe_name(t)}__out"}
+        if has_input:
+            rename[qn.input] = f"{safe_name(t)}__in"
+        for nn_ in qn.nodes:
+            n = onnx.NodeProto()
+            n.CopyFrom(nodes_by_name[nn_])
+            for k, i in enumerate(n.input):
+                n.input[k] = rename.get(i, i)
+            for k, o in enumerate(n.output):
+                n.output[k] = rename.get(o, o)
+            g_nodes.append(n)
+        g_inits.extend(inits_by_name[i] for i in qn.initializers if i != qn.input or not has_input)
+        if has_input:
+            g_in.append(helper.make_tensor_value_info(f"{safe_name(t)}__in", TensorProto.FLOAT, None))
+        g_out.append(helper.make_tensor_value_info(f"{safe_name(t)}__out", TensorProto.FLOAT, None))
+    graph = helper.make_graph(g_nodes, "quantizers", g_in, g_out, g_inits)
+    m = helper.make_model(graph, opset_imports=list(exported.opset_import))
+    m.ir_version = exported.ir_version
+    return m

@@ -1,0 +1,60 @@
+"""The project's exception hierarchy.
+
+Every error names the thing at fault (config key, ONNX node, tensor, op type, opset, attribute) and
+what would be valid. Catch :class:`QTorchOnnxError` to catch everything this library raises on purpose.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class QTorchOnnxError(Exception):
+    """Base class of every error raised on purpose by qtorch_onnx."""
+
+
+class ConfigError(QTorchOnnxError, ValueError):
+    """A configuration key, value or name is invalid (names the key and what would be valid)."""
+
+
+class UnsupportedFeatureError(QTorchOnnxError, NotImplementedError):
+    """A valid request for a feature this version does not implement yet (names the feature)."""
+
+
+class ModelError(QTorchOnnxError, ValueError):
+    """The ONNX model is unreadable, invalid, or uses something that cannot be lifted."""
+
+
+class UnsupportedOpsError(ModelError):
+    """The model uses ops neither normalization nor lifting supports.
+
+    Attributes:
+        ops: list of ``(domain, op_type, opset, [node names])`` tuples, one per unsupported op kind.
+    """
+
+    def __init__(self, ops: list[tuple[str, str, int, list[str]]]):
+        self.ops = ops
+        lines = []
+        for domain, op_type, opset, nodes in ops:
+            shown = ", ".join(repr(n) for n in nodes[:8]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 8 else "")
+            lines.append(f"  {domain or 'ai.onnx'}::{op_type} (opset {opset}): nodes {shown}")
+        super().__init__("the model uses ops that cannot be lifted to torch:\n" + "\n".join(lines))
+
+
+class DataError(QTorchOnnxError, ValueError):
+    """Calibration or evaluation data does not fit the model (names the input, shape or dtype)."""
+
+
+class ExportError(QTorchOnnxError, RuntimeError):
+    """The quantized model cannot be written back to ONNX (names the tensor or quantizer)."""
+
+
+def closest(name: str, valid: Iterable[str]) -> str:
+    """Return ``" (did you mean 'X'?)"`` for the closest valid name, or ``""`` when none is close."""
+    valid = list(valid)
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if not match:
+        lowered = {v.lower(): v for v in valid}
+        if name.lower() in lowered:
+            match = [lowered[name.lower()]]
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -1,0 +1,421 @@
+"""Normalization of an ONNX model before lifting: one clean, fully typed graph.
+
+:func:`normalize` returns a *new* :class:`onnx.ModelProto`; the input is never mutated. The passes, in
+order (each one documented at its function):
+
+1. ``Constant`` nodes become initializers (onnx-ir ``LiftConstantsToInitializersPass``); the
+   initializer keeps the Constant's output name.
+2. Constant folding (onnxscript ``FoldConstantsPass``, which also inlines ``If`` nodes whose condition
+   is constant and bypasses ``Identity`` nodes), then dead-node removal (onnx-ir
+   ``RemoveUnusedNodesPass``). Quantize/Dequantize nodes and nodes of non-standard domains are never
+   folded, so an already quantized model keeps its quantized weights.
+3. Initializers listed as graph inputs are removed from the inputs (onnx-ir
+   ``RemoveInitializersFromInputsPass``); nodes are topologically sorted (``TopologicalSortPass``).
+4. Trailing empty optional inputs are dropped (``Clip(x, "", "")`` -> ``Clip(x)``); domain
+   ``"ai.onnx"`` is spelled ``""``.
+5. ONNX shape inference (``onnx.shape_inference.infer_shapes``, ``data_prop=True``).
+6. ``auto_pad=SAME_UPPER|SAME_LOWER|VALID`` is resolved to explicit ``pads`` (needs static spatial
+   input shapes; ONNX operator spec of Conv / ConvTranspose / MaxPool / AveragePool / LpPool).
+7. Optional (``fold_batchnorm=True``): ``BatchNormalization`` folded into the single-consumer ``Conv``
+   feeding it, in float64 (see :func:`_fold_batchnorm`).
+8. Node names are made unique and non-empty (deterministic ``<op_type>_<index>`` for missing ones).
+9. Shape inference again, so every tensor has a ``value_info`` (dtype, and shape where inferable).
+
+Names of tensors that survive normalization are preserved; tensors that disappear (folded constants,
+bypassed ``Identity`` outputs, BatchNormalization-folded convolution outputs) are listed by
+:func:`normalize_with_aliases` together with the surviving tensor that carries the same value where
+there is one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ModelError
+
+_LOG = logging.getLogger(__name__)
+
+#: Ops the constant folder must leave alone: folding them would erase quantization already in the model.
+_NEVER_FOLD = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+_STANDARD_DOMAINS = ("", "ai.onnx")
+_POOL_LIKE = frozenset({"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"})
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def _all_tensor_names(graph: onnx.GraphProto) -> set[str]:
+    names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        names.update(o for o in node.output if o)
+    return names
+
+
+def _opset(model: onnx.ModelProto, domain: str = "") -> int:
+    for o in model.opset_import:
+        if o.domain in ((domain,) if domain not in _STANDARD_DOMAINS else _STANDARD_DOMAINS):
+            return o.version
+    raise ModelError(f"model {model.graph.name!r} imports no opset for domain {domain or 'ai.onnx'!r}")
+
+
+def _shape_map(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Tensor name -> shape tuple (ints; ``None`` for unknown dims) from value_info/inputs/outputs/inits."""
+    shapes: dict[str, tuple] = {}
+    g = model.graph
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+    for init in g.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as exc:  # shape inference of an inconsistent model
+        raise ModelError(f"ONNX shape inference failed on model {model.graph.name!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------- IR passes
+def _should_fold(node) -> bool | None:
+    if node.domain not in _STANDARD_DOMAINS or node.op_type in _NEVER_FOLD:
+        return False
+    return None
+
+
+def _ir_passes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Passes 1-3 on onnx-ir: lift Constants, fold constants (and constant-condition Ifs), clean up."""
+    import onnx_ir as ir
+    from onnx_ir.passes import common as irp
+    from onnxscript.optimizer import _constant_folding as cf  # FoldConstantsPass lives here (public name)
+
+    fold_pass = getattr(cf, "FoldConstantsPass")
+    irmodel = ir.serde.deserialize_model(model)
+    irp.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(irmodel)
+    fold_pass(
+        shape_inference=True, input_size_limit=1 << 40, output_size_limit=1 << 40, should_fold=_should_fold
+    )(irmodel)
+    # the folder emits Constant nodes for what it folded: lift those too
+    irp.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(irmodel)
+    irp.RemoveUnusedNodesPass()(irmodel)
+    irp.RemoveInitializersFromInputsPass()(irmodel)
+    irp.TopologicalSortPass()(irmodel)
+    return ir.serde.serialize_model(irmodel)
+
+
+# --------------------------------------------------------------------------------------------- proto passes
+def _drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
+    """Pass 4: ``Op(x, "", "")`` -> ``Op(x)`` (empty trailing optional inputs carry no information)."""
+    for node in graph.node:
+        if node.domain == "ai.onnx":
+            node.domain = ""
+        while len(node.input) and node.input[-1] == "":
+            del node.input[-1]
+
+
+def _get_attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    _del_attr(node, name)
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def _del_attr(node: onnx.NodeProto, name: str) -> None:
+    keep = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+
+
+def same_pads(
+    in_spatial: Iterable[int],
+    kernel: Iterable[int],
+    strides: Iterable[int],
+    dilations: Iterable[int],
+    mode: str,
+    transposed: bool = False,
+    output_padding: Iterable[int] | None = None,
+) -> list[int]:
+    """Explicit ONNX ``pads`` ``[b_1..b_n, e_1..e_n]`` for ``auto_pad`` ``mode`` (``SAME_UPPER``/``SAME_LOWER``/``VALID``).
+
+    Formulas from the ONNX operator spec: for Conv and pooling ``out = ceil(in / stride)``,
+    ``total = max(0, (out - 1) * stride + (k - 1) * dilation + 1 - in)``; for ConvTranspose
+    ``out = in * stride``, ``total = stride * (in - 1) + output_padding + (k - 1) * dilation + 1 - out``.
+    ``SAME_UPPER`` puts the odd pixel at the end, ``SAME_LOWER`` at the beginning.
+    """
+    in_spatial, kernel, strides, dilations = map(list, (in_spatial, kernel, strides, dilations))
+    n = len(in_spatial)
+    if mode == "VALID":
+        return [0] * (2 * n)
+    output_padding = list(output_padding) if output_padding is not None else [0] * n
+    begins, ends = [], []
+    for i in range(n):
+        eff_k = (kernel[i] - 1) * dilations[i] + 1
+        if transposed:
+            out = in_spatial[i] * strides[i]
+            total = max(0, strides[i] * (in_spatial[i] - 1) + output_padding[i] + eff_k - out)
+        else:
+            out = -(-in_spatial[i] // strides[i])
+            total = max(0, (out - 1) * strides[i] + eff_k - in_spatial[i])
+        small, big = total // 2, total - total // 2
+        if mode == "SAME_UPPER":
+            begins.append(small), ends.append(big)
+        else:  # SAME_LOWER
+            begins.append(big), ends.append(small)
+    return begins + ends
+
+
+def _resolve_auto_pad(model: onnx.ModelProto) -> None:
+    """Pass 6: replace ``auto_pad`` SAME_UPPER/SAME_LOWER/VALID by explicit ``pads`` (in place on a copy).
+
+    Raises:
+        ModelError: a SAME_* node whose input spatial shape or kernel shape is not statically known.
+    """
+    shapes = _shape_map(model)
+    for node in model.graph.node:
+        if node.op_type not in _POOL_LIKE or node.domain not in _STANDARD_DOMAINS:
+            continue
+        mode = _get_attr(node, "auto_pad", b"NOTSET")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        if mode == "NOTSET":
+            continue
+        x_shape = shapes.get(node.input[0])
+        kernel = _get_attr(node, "kernel_shape")
+        if kernel is None and node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
+            w_shape = shapes.get(node.input[1])
+            kernel = list(w_shape[2:]) if w_shape is not None and None not in w_shape else None
+        if mode == "VALID":
+            n = len(kernel) if kernel is not None else (len(x_shape) - 2 if x_shape else None)
+            if n is None:
+                raise ModelError(f"node {node.name!r} ({node.op_type}): auto_pad=VALID but the spatial rank is unknown")
+            pads = [0] * (2 * n)
+        else:
+            if x_shape is None or kernel is None or any(d is None for d in x_shape[2:]):
+                raise ModelError(
+                    f"node {node.name!r} ({node.op_type}): auto_pad={mode} needs a static spatial shape of input "
+                    f"{node.input[0]!r} (got {x_shape}) and a known kernel shape (got {kernel}); give the model "
+                    f"static input dimensions or explicit pads"
+                )
+            n = len(kernel)
+            pads = same_pads(
+                x_shape[2:],
+                kernel,
+                _get_attr(node, "strides", [1] * n),
+                _get_attr(node, "dilations", [1] * n),
+                mode,
+                transposed=node.op_type == "ConvTranspose",
+                output_padding=_get_attr(node, "output_padding", None),
+            )
+        _del_attr(node, "auto_pad")
+        _set_attr(node, "pads", [int(p) for p in pads])
+
+
+def _fold_batchnorm(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
+    """Pass 7: fold ``BatchNormalization(Conv(x, W, b))`` into ``Conv(x, W', b')`` (in place on a copy).
+
+    Applies when the Conv output has exactly one consumer (the BatchNormalization, inference form: one
+    output, ``training_mode`` 0), is not a graph output, and W, b, scale, B, mean, var are initializers.
+    With ``s = scale / sqrt(var + epsilon)`` per output channel (BatchNormalization spec), computed in
+    float64 and stored in W's dtype: ``W' = W * s[:, None, ...]`` and ``b' = (b - mean) * s + B`` (b = 0
+    when the Conv has no bias). The folded Conv writes the BatchNormalization's output tensor name; the
+    Conv's former output name is recorded in ``aliases`` (-> the BatchNormalization output). W' / b'
+    reuse the names of W / b when no other node reads them, else get fresh names ``<name>_bnfold``.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in g.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    outputs = {o.name for o in g.output}
+    producer = {o: node for node in g.node for o in node.output}
+    taken = _all_tensor_names(g)
+    removed: list[onnx.NodeProto] = []
+
+    def fresh(base: str) -> str:
+        name, k = f"{base}_bnfold", 1
+        while name in taken:
+            name, k = f"{base}_bnfold{k}", k + 1
+        taken.add(name)
+        return name
+
+    for bn in list(g.node):
+        if bn.op_type != "BatchNormalization" or bn.domain not in _STANDARD_DOMAINS:
+            continue
+        if len(bn.output) != 1 or _get_attr(bn, "training_mode", 0) != 0 or len(bn.input) != 5:
+            continue
+        conv = producer.get(bn.input[0])
+        if conv is None or conv.op_type != "Conv" or conv.domain not in _STANDARD_DOMAINS:
+            continue
+        y = conv.output[0]
+        if y in outputs or len(consumers.get(y, [])) != 1:
+            continue
+        if any(n not in inits for n in list(conv.input[1:]) + list(bn.input[1:])):
+            continue
+        w_proto = inits[conv.input[1]]
+        w = numpy_helper.to_array(w_proto)
+        if w.dtype.kind != "f":
+            continue
+        scale, beta, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:])
+        eps = float(_get_attr(bn, "epsilon", 1e-5))
+        s = scale / np.sqrt(var + eps)
+        b = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 else 0.0
+        w_new = (w.astype(np.float64) * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
+        b_new = ((b - mean) * s + beta).astype(w.dtype)
+
+        w_name = conv.input[1] if len(consumers[conv.input[1]]) == 1 else fresh(conv.input[1])
+        if len(conv.input) > 2 and len(consumers[conv.input[2]]) == 1:
+            b_name = conv.input[2]
+        else:
+            b_name = fresh(conv.input[2] if len(conv.input) > 2 else f"{conv.name or y}_bias")
+        for name, arr in ((w_name, w_new), (b_name, b_new)):
+            if name in inits:
+                g.initializer.remove(inits[name])
+            t = numpy_helper.from_array(arr, name)
+            g.initializer.append(t)
+            inits[name] = t
+        del conv.input[1:]
+        conv.input.extend([w_name, b_name])
+        conv.output[0] = bn.output[0]
+        aliases[y] = bn.output[0]
+        removed.append(bn)
+    for bn in removed:
+        g.node.remove(bn)
+    # initializers nobody reads any more (old W/b/scale/... of folded pairs)
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    keep = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Pass 8: unique, non-empty node names; existing unique names are kept.
+
+    A node without a name becomes ``<op_type>_<index in graph>``; a duplicate becomes ``<name>_<k>``
+    (smallest k >= 1 not taken). Deterministic for a given graph.
+    """
+    counts: dict[str, int] = {}
+    for node in graph.node:
+        if node.name:
+            counts[node.name] = counts.get(node.name, 0) + 1
+    taken = set(counts)
+    seen: set[str] = set()
+    for index, node in enumerate(graph.node):
+        if node.name and counts[node.name] == 1:
+            seen.add(node.name)
+            continue
+        if node.name and node.name not in seen:  # first occurrence of a duplicate keeps its name
+            seen.add(node.name)
+            continue
+        base = node.name or f"{node.op_type}_{index}"
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        node.name = name
+        taken.add(name)
+        seen.add(name)
+
+
+def _identity_aliases(graph: onnx.GraphProto) -> dict[str, str]:
+    """For each standard ``Identity`` node: output -> input and input -> output (value-equal pairs)."""
+    pairs: dict[str, set[str]] = {}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.domain in _STANDARD_DOMAINS and node.input and node.output:
+            a, b = node.input[0], node.output[0]
+            pairs.setdefault(a, set()).add(b)
+            pairs.setdefault(b, set()).add(a)
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------- public
+def normalize_with_aliases(
+    model: onnx.ModelProto, *, fold_batchnorm: bool = False
+) -> tuple[onnx.ModelProto, dict[str, str | None]]:
+    """Normalize ``model`` (see :func:`normalize`) and report which tensor names disappeared.
+
+    Returns:
+        ``(normalized_model, aliases)``; ``aliases`` maps every tensor name of the input model that no
+        longer exists to the name of a surviving tensor holding the same value (an ``Identity`` partner,
+        or the BatchNormalization output of a folded Conv), or ``None`` when the tensor was folded away
+        (constant subexpressions) or removed as dead code.
+
+    Raises:
+        ModelError: ``model`` is not a ModelProto, or a pass needs information the model lacks.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        raise ModelError(f"normalize() takes an onnx.ModelProto, got {type(model).__name__}")
+    before = _all_tensor_names(model.graph)
+    identity_pairs = _identity_aliases(model.graph)
+    opset = _opset(model)
+    if opset < 7:
+        raise ModelError(f"model {model.graph.name!r} uses ai.onnx opset {opset}; opset >= 7 is supported")
+
+    out = _ir_passes(_copy(model))
+    _drop_trailing_empty_inputs(out.graph)
+    out = _infer(out)
+    _resolve_auto_pad(out)
+    aliases: dict[str, str | None] = {}
+    if fold_batchnorm:
+        _fold_batchnorm(out, aliases)
+    _name_nodes(out.graph)
+    del out.graph.value_info[:]
+    out = _infer(out)
+
+    after = _all_tensor_names(out.graph)
+    for name in sorted(before - after):
+        if name in aliases:
+            continue
+        # follow Identity chains to a survivor
+        todo, seen, found = [name], {name}, None
+        while todo and found is None:
+            cur = todo.pop()
+            for nxt in sorted(identity_pairs.get(cur, ())):
+                if nxt in after:
+                    found = nxt
+                    break
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        aliases[name] = found
+    for name, target in list(aliases.items()):
+        while target is not None and target not in after:
+            target = aliases.get(target)
+        aliases[name] = target
+    return out, aliases
+
+
+def normalize(model: onnx.ModelProto, *, fold_batchnorm: bool = False) -> onnx.ModelProto:
+    """Return a normalized copy of ``model``: constants as initializers, folded, typed, uniquely named.
+
+    The passes are listed in this module's docstring. The input model is never mutated. Names of the
+    tensors that survive are preserved (quantization configs refer to them); see
+    :func:`normalize_with_aliases` for what disappeared.
+
+    Args:
+        model: the ONNX model.
+        fold_batchnorm: fold inference BatchNormalization into the preceding single-consumer Conv
+            (float64 arithmetic, result in the weight's dtype).
+
+    Returns:
+        A new ``onnx.ModelProto`` with ``value_info`` for every tensor shape inference can type.
+
+    Raises:
+        ModelError: not a ModelProto, opset < 7, failing shape inference, or ``auto_pad=SAME_*`` on a
+            dynamic spatial shape.
+    """
+    return normalize_with_aliases(model, fold_batchnorm=fold_batchnorm)[0]

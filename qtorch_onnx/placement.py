@@ -1,0 +1,389 @@
+"""Placement: which ONNX tensors get which quantizer.
+
+Placement reads the normalized ONNX graph and a :class:`~qtorch_onnx.config.internal.ResolvedConfig`
+and returns a :class:`Plan`: one :class:`QuantSpec` per quantized tensor, keyed by ONNX tensor name.
+It knows nothing about torch modules; :mod:`qtorch_onnx.quantizer` turns the plan into FakeQuantize
+modules through the lifter's TensorMap, and :mod:`qtorch_onnx.export` writes the same plan into ONNX.
+
+Rules (ONNX Runtime's QDQ placement as extended by Quark; README "What gets quantized"):
+
+* A node is *in scope* when its op type is quantizable (``op_types_to_quantize``, or the default set,
+  or every op for ``QuantizeAllOpTypes`` and the float formats BF16/FP16), it is listed in
+  ``nodes_to_quantize`` (when given), not in ``nodes_to_exclude`` or an excluded subgraph, and lies
+  between ``input_nodes`` and ``output_nodes`` (when given).
+* In-scope nodes get quantizers on their float inputs and outputs. Initializer inputs in a weight slot
+  (Conv/ConvTranspose/Gemm/MatMul input 1, any other float initializer input) use the weight format;
+  the bias slot (Conv/ConvTranspose input 2, Gemm input 2) uses INT32 with ``scale_x * scale_w`` when
+  activations and weights are integer (``Int32Bias``), else the weight format.
+* Data-movement ops (MaxPool, Reshape, Transpose, ...) get an output quantizer only when their data
+  input is quantized, unless ``ForceQuantizeNoInputCheck``.
+* ``FoldRelu``: no quantizer between a Conv/ConvTranspose/Gemm/MatMul/Add and a Relu that is the only
+  consumer of its output (the Relu output carries the quantizer: the pair is one fused op on hardware).
+* ``AlignConcat`` / ``AlignSlice``: the inputs of a Concat (the output of a Slice) share the output's
+  (input's) scale after calibration (``share_with``).
+* ``AlignEltwiseQuantType``: initializer inputs of element-wise ops take the activation format.
+* Range adjustments after calibration (NUMERICS.md section 2): the input of a Relu/Clip with a single
+  consumer takes the Relu/Clip output range (``range_from``); Softmax outputs take [0, 1].
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import onnx
+
+from .config.internal import ResolvedConfig
+from .errors import ConfigError
+from .formats.spec import INT32, BFPFormat, FloatFormat, Format, IntFormat, MXFormat
+
+#: Op types quantized by default (ONNX Runtime's QDQ registry plus Quark's additions).
+DEFAULT_OP_TYPES = frozenset(
+    """Conv ConvTranspose Gemm MatMul Add Sub Mul Div Relu Clip LeakyRelu PRelu Sigmoid HardSigmoid HardSwish
+    Tanh Softmax MaxPool AveragePool GlobalAveragePool GlobalMaxPool Concat Resize Reshape Transpose Flatten
+    Squeeze Unsqueeze Slice Split Gather Pad ReduceMean InstanceNormalization LayerNormalization Erf Gelu
+    Where Mean Max Min Neg Abs Sqrt Pow Exp Log DepthToSpace SpaceToDepth Expand Tile Identity""".split()
+)
+#: Data-movement ops: their output is quantized only when their data input is.
+DIRECT_OP_TYPES = frozenset(
+    """MaxPool GlobalMaxPool Reshape Transpose Flatten Squeeze Unsqueeze Slice Split Gather Resize Pad
+    Identity DepthToSpace SpaceToDepth Expand Tile""".split()
+)
+#: Ops whose input 1 is a weight and input 2 a bias.
+WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Mean", "Where", "PRelu", "Pow"})
+FOLD_RELU_PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "Add"})
+#: Which inputs of an op carry data that may be quantized (others are parameters: shapes, indices...).
+DATA_INPUTS = {
+    "Clip": (0,), "Resize": (0,), "Pad": (0,), "Gather": (0,), "Slice": (0,), "Split": (0,), "Reshape": (0,),
+    "Expand": (0,), "Tile": (0,), "Squeeze": (0,), "Unsqueeze": (0,), "Where": (1, 2),
+    "BatchNormalization": (0, 1, 2), "ReduceMean": (0,), "Dropout": (0,), "TopK": (0,),
+}
+FLOAT = onnx.TensorProto.FLOAT
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one ONNX tensor is quantized.
+
+    Attributes:
+        tensor: ONNX tensor name.
+        fmt: numeric format.
+        role: "activation", "weight" or "bias".
+        axis: per-channel / block axis in the ONNX layout, or None (per tensor).
+        symmetric: symmetric integer range.
+        narrow_range: integer weights clip to [-qmax, qmax].
+        scaled: BF16/FP16 with a calibrated scale (WeightScaled / ActivationScaled).
+        bias_of: for INT32 biases, (activation tensor, weight tensor) whose scales multiply.
+        share_with: after calibration copy scale/zero point from this tensor (AlignConcat/AlignSlice).
+        range_from: after calibration take the calibrated range of this tensor (Relu/Clip adjustment).
+        fixed_range: a range known a priori, e.g. (0.0, 1.0) for Softmax outputs.
+        overrides: ONNX Runtime TensorQuantOverrides entries applied to this tensor (scale, zero_point).
+    """
+
+    tensor: str
+    fmt: Format
+    role: str
+    axis: Optional[int] = None
+    symmetric: bool = True
+    narrow_range: bool = False
+    scaled: bool = False
+    bias_of: Optional[Tuple[str, str]] = None
+    share_with: Optional[str] = None
+    range_from: Optional[str] = None
+    fixed_range: Optional[Tuple[float, float]] = None
+    overrides: Tuple[Tuple[str, object], ...] = ()
+
+
+@dataclass
+class GraphInfo:
+    """Producer/consumer index of an ONNX graph (main graph only)."""
+
+    model: onnx.ModelProto
+    nodes: Dict[str, onnx.NodeProto] = field(default_factory=dict)
+    producer: Dict[str, str] = field(default_factory=dict)
+    consumers: Dict[str, List[str]] = field(default_factory=dict)
+    initializers: Dict[str, onnx.TensorProto] = field(default_factory=dict)
+    elem_type: Dict[str, int] = field(default_factory=dict)
+    shape: Dict[str, Optional[Tuple]] = field(default_factory=dict)
+    graph_inputs: List[str] = field(default_factory=list)
+    graph_outputs: List[str] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, model: onnx.ModelProto) -> "GraphInfo":
+        g = model.graph
+        info = cls(model=model)
+        info.initializers = {t.name: t for t in g.initializer}
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            tt = vi.type.tensor_type
+            if vi.type.HasField("tensor_type"):
+                info.elem_type[vi.name] = tt.elem_type
+                if tt.HasField("shape"):
+                    info.shape[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+        for t in g.initializer:
+            info.elem_type[t.name] = t.data_type
+            info.shape[t.name] = tuple(t.dims)
+        info.graph_inputs = [i.name for i in g.input if i.name not in info.initializers]
+        info.graph_outputs = [o.name for o in g.output]
+        for n in g.node:
+            info.nodes[n.name] = n
+            for o in n.output:
+                if o:
+                    info.producer[o] = n.name
+            for i in n.input:
+                if i:
+                    info.consumers.setdefault(i, []).append(n.name)
+        return info
+
+    def is_float(self, tensor: str) -> bool:
+        return self.elem_type.get(tensor) == FLOAT
+
+    def all_tensors(self) -> List[str]:
+        names = list(self.graph_inputs) + list(self.initializers)
+        for n in self.nodes.values():
+            names.extend(o for o in n.output if o)
+        return names
+
+
+@dataclass
+class Plan:
+    """The quantizers of a model: ``specs[tensor_name] -> QuantSpec`` (insertion order = graph order)."""
+
+    specs: Dict[str, QuantSpec]
+    info: GraphInfo
+
+    def counts(self) -> Dict[str, int]:
+        """Number of quantized tensors per ``"<format> <role>"``."""
+        out: Dict[str, int] = {}
+        for s in self.specs.values():
+            key = f"{s.fmt.name} {s.role}"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+def _weight_axis(node: onnx.NodeProto, slot: int, ndim: int) -> int:
+    """Output-channel axis of a weight in its ONNX layout (per-channel quantization)."""
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return 0 if trans_b else 1
+    if node.op_type == "MatMul":
+        return ndim - 1
+    return 0
+
+
+def _reachable(info: GraphInfo, starts: List[str], downstream: bool) -> set:
+    seen = set()
+    stack = list(starts)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = info.nodes[name]
+        if downstream:
+            for o in node.output:
+                stack.extend(info.consumers.get(o, []))
+        else:
+            for i in node.input:
+                if i in info.producer:
+                    stack.append(info.producer[i])
+    return seen
+
+
+def _check_names(kind: str, names, valid, what: str) -> None:
+    valid = list(valid)
+    for name in names:
+        if name not in valid:
+            near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+            hint = f"; near matches: {near}" if near else ""
+            raise ConfigError(f"{kind}: {name!r} is not {what} of the model{hint}")
+
+
+def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
+    """Decide the quantizer of every tensor.
+
+    Args:
+        model: the normalized, shape-inferred ONNX model (not modified).
+        cfg: the resolved configuration.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        ConfigError: a node or tensor name in the configuration is not in the model (lists near matches).
+    """
+    info = GraphInfo.build(model)
+    node_names = list(info.nodes)
+    for key, names in (("nodes_to_quantize", cfg.nodes_to_quantize), ("nodes_to_exclude", cfg.nodes_to_exclude),
+                       ("input_nodes", cfg.input_nodes), ("output_nodes", cfg.output_nodes)):
+        _check_names(key, names, node_names, "a node")
+    tensor_names = info.all_tensors()
+    _check_names("MixedPrecisionTensor", list(cfg.tensor_precision), tensor_names, "a tensor")
+    _check_names("TensorQuantOverrides", list(cfg.tensor_quant_overrides), tensor_names, "a tensor")
+
+    act_fmt, w_fmt = cfg.activation, cfg.weight
+    float_formats = isinstance(act_fmt, FloatFormat) or isinstance(w_fmt, FloatFormat)
+    all_ops = cfg.quantize_all_op_types or float_formats
+    op_types = set(cfg.op_types_to_quantize) if cfg.op_types_to_quantize else set(DEFAULT_OP_TYPES)
+
+    excluded = set(cfg.nodes_to_exclude)
+    for starts, ends in cfg.subgraphs_to_exclude:
+        _check_names("subgraphs_to_exclude", list(starts) + list(ends), node_names, "a node")
+        excluded |= _reachable(info, list(starts), True) & _reachable(info, list(ends), False)
+    if cfg.input_nodes:
+        excluded |= set(node_names) - _reachable(info, list(cfg.input_nodes), True)
+    if cfg.output_nodes:
+        excluded |= set(node_names) - _reachable(info, list(cfg.output_nodes), False)
+
+    def in_scope(n: onnx.NodeProto) -> bool:
+        if n.name in excluded or n.domain not in ("", "ai.onnx"):
+            return False
+        if cfg.nodes_to_quantize and n.name not in cfg.nodes_to_quantize:
+            return False
+        return all_ops or n.op_type in op_types
+
+    integer_bias = cfg.int32_bias and isinstance(act_fmt, IntFormat) and isinstance(w_fmt, IntFormat)
+    specs: Dict[str, QuantSpec] = {}
+
+    def act_spec(t: str) -> QuantSpec:
+        return QuantSpec(t, act_fmt, "activation", None, cfg.activation_symmetric, False, cfg.activation_scaled)
+
+    def add(spec: QuantSpec) -> None:
+        if spec.tensor not in specs:
+            specs[spec.tensor] = spec
+
+    # FoldRelu: tensors between a foldable producer and its only consumer Relu stay float.
+    folded = set()
+    if cfg.fold_relu:
+        for n in info.nodes.values():
+            if n.op_type == "Relu" and in_scope(n):
+                t = n.input[0]
+                p = info.producer.get(t)
+                if p and info.nodes[p].op_type in FOLD_RELU_PRODUCERS and len(info.consumers.get(t, [])) == 1 \
+                        and t not in info.graph_outputs:
+                    folded.add(t)
+
+    for n in model.graph.node:  # topological order
+        if not in_scope(n):
+            continue
+        data_inputs = DATA_INPUTS.get(n.op_type)
+        if n.op_type in DIRECT_OP_TYPES and not cfg.force_quantize_no_input_check and not float_formats:
+            src = n.input[0] if n.input else ""
+            if src not in specs:
+                continue
+        for slot, t in enumerate(n.input):
+            if not t or not info.is_float(t) or t in folded:
+                continue
+            if data_inputs is not None and slot not in data_inputs:
+                continue
+            if n.op_type == "BatchNormalization" and slot in (3, 4):
+                continue
+            if t in info.initializers:
+                dims = tuple(info.initializers[t].dims)
+                is_bias = n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2
+                if is_bias:
+                    if integer_bias and cfg.quantize_bias:
+                        add(QuantSpec(t, INT32, "bias", axis=None, symmetric=True, bias_of=(n.input[0], n.input[1])))
+                    elif cfg.quantize_bias:
+                        add(QuantSpec(t, w_fmt, "weight", axis=None, symmetric=cfg.weight_symmetric,
+                                      narrow_range=cfg.weight_symmetric, scaled=cfg.weight_scaled))
+                    continue
+                fmt = w_fmt
+                if cfg.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS:
+                    fmt = act_fmt
+                axis = None
+                if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2:
+                    if cfg.per_channel and isinstance(fmt, IntFormat):
+                        axis = _weight_axis(n, slot, len(dims))
+                sym = cfg.weight_symmetric if fmt == w_fmt else cfg.activation_symmetric
+                add(QuantSpec(t, fmt, "weight", axis=axis, symmetric=sym,
+                              narrow_range=sym and isinstance(fmt, IntFormat) and fmt.signed,
+                              scaled=cfg.weight_scaled))
+            else:
+                add(act_spec(t))
+        for t in n.output:
+            if t and info.is_float(t) and t not in folded:
+                add(act_spec(t))
+
+    # tensor-wise mixed precision and ONNX Runtime's TensorQuantOverrides
+    for t, fmt in cfg.tensor_precision.items():
+        if t in specs:
+            specs[t] = dataclasses.replace(specs[t], fmt=fmt, bias_of=None) if specs[t].role != "bias" else specs[t]
+        elif info.is_float(t):
+            role = "weight" if t in info.initializers else "activation"
+            specs[t] = QuantSpec(t, fmt, role, symmetric=cfg.activation_symmetric)
+    for t, entries in cfg.tensor_quant_overrides.items():
+        entry = dict(entries[0]) if isinstance(entries, (list, tuple)) else dict(entries)
+        base = specs.get(t) or QuantSpec(t, act_fmt, "weight" if t in info.initializers else "activation",
+                                         symmetric=cfg.activation_symmetric)
+        changes: Dict[str, object] = {}
+        if "quant_type" in entry:
+            changes["fmt"] = entry["quant_type"]
+        if "symmetric" in entry:
+            changes["symmetric"] = bool(entry["symmetric"])
+        if "axis" in entry:
+            changes["axis"] = entry["axis"]
+        fixed = tuple((k, entry[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in entry)
+        specs[t] = dataclasses.replace(base, overrides=fixed, **changes)
+
+    # range adjustments and alignment (applied after calibration)
+    for n in model.graph.node:
+        if not in_scope(n):
+            continue
+        if n.op_type in ("Relu", "Clip") and n.input and n.input[0] in specs and n.output[0] in specs:
+            src = n.input[0]
+            if len(info.consumers.get(src, [])) == 1 and specs[src].role == "activation":
+                specs[src] = dataclasses.replace(specs[src], range_from=n.output[0])
+        if n.op_type == "Softmax" and n.output[0] in specs:
+            specs[n.output[0]] = dataclasses.replace(specs[n.output[0]], fixed_range=(0.0, 1.0))
+        if cfg.align_concat and n.op_type == "Concat" and n.output[0] in specs:
+            for t in n.input:
+                if t in specs and specs[t].role == "activation" and specs[t].fmt == specs[n.output[0]].fmt \
+                        and len(info.consumers.get(t, [])) == 1:
+                    specs[t] = dataclasses.replace(specs[t], share_with=n.output[0], range_from=None)
+        if cfg.align_slice and n.op_type == "Slice" and n.input[0] in specs and n.output[0] in specs:
+            if specs[n.output[0]].fmt == specs[n.input[0]].fmt:
+                specs[n.output[0]] = dataclasses.replace(specs[n.output[0]], share_with=n.input[0])
+    # a bias whose activation or weight lost its integer quantizer falls back to the weight format
+    for t, s in list(specs.items()):
+        if s.bias_of is not None:
+            x, w = s.bias_of
+            if not (x in specs and w in specs and isinstance(specs[x].fmt, IntFormat) and isinstance(specs[w].fmt, IntFormat)):
+                specs[t] = QuantSpec(t, w_fmt, "weight", symmetric=cfg.weight_symmetric,
+                                     narrow_range=cfg.weight_symmetric and isinstance(w_fmt, IntFormat))
+            elif specs[w].axis is not None:
+                specs[t] = dataclasses.replace(s, axis=0)
+    # block formats: the block axis follows the reduction axis (CONFIG.md)
+    for t, s in list(specs.items()):
+        if isinstance(s.fmt, (BFPFormat, MXFormat)):
+            specs[t] = dataclasses.replace(s, axis=block_axis(info, t))
+    return Plan(specs=specs, info=info)
+
+
+def block_axis(info: GraphInfo, tensor: str) -> int:
+    """Block axis of a tensor for BFP/MX formats (CONFIG.md extra_options, block formats).
+
+    MatMul A: last axis, B: second to last; Gemm A: 1 (0 when transA), B: 0 (1 when transB); Softmax:
+    its axis; Conv and everything else: axis 1; 1-D tensors: axis 0.
+    """
+    shape = info.shape.get(tensor)
+    ndim = len(shape) if shape is not None else 4
+    if ndim <= 1:
+        return 0
+    for cname in info.consumers.get(tensor, []):
+        n = info.nodes[cname]
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        if n.op_type == "MatMul":
+            return ndim - 1 if n.input[0] == tensor else ndim - 2
+        if n.op_type == "Gemm":
+            if n.input[0] == tensor:
+                return 0 if attrs.get("transA", 0) else 1
+            if n.input[1] == tensor:
+                return 1 if attrs.get("transB", 0) else 0
+        if n.op_type == "Softmax" and n.input[0] == tensor:
+            ax = attrs.get("axis", -1)
+            return ax % ndim
+    return 1

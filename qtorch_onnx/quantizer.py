@@ -1,0 +1,377 @@
+"""The pipeline: prepare (normalize, lift, place) -> calibrate -> export; and Quark's ModelQuantizer.
+
+Native torch API::
+
+    qm = qtorch_onnx.prepare("model.onnx", qtorch_onnx.get_default_config("A8W8"))
+    qtorch_onnx.calibrate(qm, samples)          # progress bar, any device
+    y = qm(x); y.sum().backward()               # fake quantization with straight-through gradients
+    qtorch_onnx.export(qm, "model.a8w8.onnx")
+
+Quark-compatible API::
+
+    ModelQuantizer(Config(global_quant_config=cfg)).quantize_model("in.onnx", "out.onnx", data_reader)
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from torch import nn
+from torch.nn.utils import parametrize
+
+from . import data as _data
+from .config.internal import ResolvedConfig
+from .errors import ConfigError, DataError, ModelError
+from .fakequant import FakeQuantize, ParamQuantizer
+from .formats import integer as _integer
+from .formats.spec import FloatFormat, IntFormat
+from .placement import Plan, QuantSpec, plan_quantization
+
+ModelLike = Union[str, os.PathLike, onnx.ModelProto]
+
+
+def load_model(model: ModelLike) -> onnx.ModelProto:
+    """Load an ONNX model from a path (never modified) or copy a ModelProto.
+
+    Raises:
+        ModelError: the file does not exist or is not an ONNX model.
+    """
+    if isinstance(model, onnx.ModelProto):
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        return out
+    path = os.fspath(model)
+    if not os.path.isfile(path):
+        raise ModelError(f"model file {path!r} does not exist")
+    try:
+        proto = onnx.load(path)
+    except Exception as exc:  # protobuf raises DecodeError and others
+        raise ModelError(f"{path!r} is not an ONNX model: {exc}") from exc
+    if not proto.graph.node:
+        raise ModelError(f"{path!r} is not an ONNX model (no graph nodes could be read)")
+    return proto
+
+
+def resolve(config: Any) -> ResolvedConfig:
+    """Accept a ResolvedConfig, a Quark ``Config`` / ``QuantizationConfig``, or a named config string."""
+    if isinstance(config, ResolvedConfig):
+        return config
+    from .config import get_default_config, resolve_config
+
+    if isinstance(config, str):
+        config = get_default_config(config)
+    return resolve_config(config)
+
+
+def _safe(name: str) -> str:
+    out = "".join(c if c.isalnum() else "_" for c in name)
+    return out if out and not out[0].isdigit() else "t_" + out
+
+
+class QuantizedModel(nn.Module):
+    """A lifted ONNX model with FakeQuantize modules on its ONNX tensors.
+
+    Call it like the float model: positional inputs in ONNX order; returns a tensor or a tuple in ONNX output
+    order. Attributes: ``gm`` (the torch.fx GraphModule), ``onnx_model`` (the normalized ONNX graph that
+    export writes into), ``tensor_map``, ``plan`` (:class:`~qtorch_onnx.placement.Plan`), ``config``
+    (:class:`~qtorch_onnx.config.internal.ResolvedConfig`), ``input_specs``.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, config: ResolvedConfig, onnx_model: onnx.ModelProto,
+                 tensor_map: Any, input_specs: List[_data.InputSpec]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.plan = plan
+        self.config = config
+        self.onnx_model = onnx_model
+        self.tensor_map = tensor_map
+        self.input_specs = input_specs
+        self.stage_times: Dict[str, float] = {}
+
+    def forward(self, *inputs: torch.Tensor):
+        return self.gm(*inputs)
+
+    def quantizers(self) -> Dict[str, FakeQuantize]:
+        """All quantizers, keyed by ONNX tensor name."""
+        out: Dict[str, FakeQuantize] = {}
+        for m in self.modules():
+            if isinstance(m, FakeQuantize):
+                out.setdefault(m.tensor_name, m)
+        return out
+
+    def set_mode(self, mode: str) -> "QuantizedModel":
+        """Set every quantizer to ``"float"``, ``"observe"`` or ``"quantize"``."""
+        for fq in self.quantizers().values():
+            fq.set_mode(mode)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        for t in list(self.parameters()) + list(self.buffers()):
+            return t.device
+        return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------- prepare
+def _refs(tensor_map: Any, tensor: str) -> list:
+    ref = tensor_map.lookup(tensor)
+    if ref is None:
+        return []
+    return list(ref) if isinstance(ref, (list, tuple)) else [ref]
+
+
+def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
+    from .observers import make_observer
+
+    if isinstance(spec.fmt, IntFormat) and cfg.power_of_two:
+        return make_observer(cfg.calibrate_method, name=spec.tensor)
+    method = cfg.calibrate_method
+    opts: Dict[str, Any] = {"name": spec.tensor}
+    if method == "MinMax":
+        opts.update(moving_average=cfg.moving_average, averaging_constant=cfg.moving_average_constant)
+    elif method == "Percentile":
+        opts.update(percentile=cfg.percentile, num_bins=cfg.num_bins)
+    if isinstance(spec.fmt, FloatFormat):  # scaled BF16/FP16 take a plain range
+        opts = {"name": spec.tensor}
+        method = "MinMax"
+    return make_observer(method, **opts)
+
+
+def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, cfg: ResolvedConfig, onnx_axis: Optional[int]) -> None:
+    """Quantization parameters of a weight from its own values (ONNX layout), per tensor or per channel."""
+    v = value.detach().to(torch.float64)
+    if onnx_axis is None:
+        rmin, rmax = v.min(), v.max()
+    else:
+        dims = [d for d in range(v.dim()) if d != onnx_axis]
+        rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
+    if isinstance(fq.fmt, IntFormat) and cfg.power_of_two:
+        scale, zp = _integer.pow2_scale_nonoverflow(rmin, rmax, fq.fmt, fq.symmetric)
+        fq.set_qparams(scale, zp)
+    else:
+        fq.compute_qparams_from_range(rmin, rmax)
+
+
+def _initializer_value(info, tensor: str) -> torch.Tensor:
+    return torch.from_numpy(np.array(numpy_helper.to_array(info.initializers[tensor]), dtype=np.float32, copy=True))
+
+
+def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.device, None] = None) -> QuantizedModel:
+    """Normalize and lift an ONNX model and place FakeQuantize modules per ``config``.
+
+    Args:
+        model: path or ``onnx.ModelProto`` (never modified).
+        config: a named config (``"A8W8"``), a Quark ``Config``/``QuantizationConfig``, or a ResolvedConfig.
+        device: move the module there (``"cuda"``, ``"cpu"``); default CPU.
+
+    Returns:
+        A :class:`QuantizedModel` in ``"float"`` mode for activations awaiting calibration, weights ready.
+
+    Raises:
+        ModelError / UnsupportedOpsError: unreadable model or ops that cannot be lifted.
+        ConfigError / UnsupportedFeatureError: invalid configuration, or a feature not implemented yet.
+    """
+    from .lift import lift
+
+    t0 = time.perf_counter()
+    cfg = resolve(config)
+    proto = load_model(model)
+    gm = lift(proto, fold_batchnorm=True)
+    t_lift = time.perf_counter() - t0
+    onnx_model = gm.onnx_model
+    plan = plan_quantization(onnx_model, cfg)
+    tm = gm.tensor_map
+    holder = nn.Module()
+    gm.add_module("quantizers", holder)
+    graph = gm.graph
+    nodes_by_name = {n.name: n for n in graph.nodes}
+    for tensor, spec in plan.specs.items():
+        refs = _refs(tm, tensor)
+        if not refs:
+            raise ModelError(f"tensor {tensor!r} has no counterpart in the lifted torch graph (lifting bug)")
+        observer = None
+        if spec.role == "activation" and not spec.overrides and spec.share_with is None and (
+            isinstance(spec.fmt, IntFormat) or (isinstance(spec.fmt, FloatFormat) and spec.scaled)
+        ):
+            observer = _observer_for(spec, cfg)
+        param_refs = [r for r in refs if r.kind == "param"]
+        torch_axis = spec.axis
+        if param_refs and spec.axis is not None and getattr(param_refs[0], "perm", None):
+            torch_axis = list(param_refs[0].perm).index(spec.axis)
+        fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
+                          symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled)
+        if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
+            if tensor in plan.info.initializers:
+                _weight_qparams(fq, _initializer_value(plan.info, tensor), cfg, spec.axis)
+        holder.add_module(_safe(tensor), fq)
+        target = f"quantizers.{_safe(tensor)}"
+        for ref in refs:
+            if ref.kind == "param":
+                module = gm.get_submodule(ref.module)
+                parametrize.register_parametrization(module, ref.attr, ParamQuantizer(fq), unsafe=True)
+            else:
+                node = nodes_by_name[ref.node_name]
+                with graph.inserting_after(node):
+                    q = graph.call_module(target, (node,))
+                node.replace_all_uses_with(q, delete_user_cb=lambda user, q=q: user is not q)
+    graph.lint()
+    gm.recompile()
+    qm = QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
+    # weights are quantized from the start; activations wait for calibration
+    for fq in qm.quantizers().values():
+        fq.set_mode("quantize" if fq.role != "activation" or not fq.needs_calibration else "float")
+    qm.stage_times["lift"] = t_lift
+    qm.stage_times["place"] = time.perf_counter() - t0 - t_lift
+    if device is not None:
+        qm.to(device)
+    return qm
+
+
+# ---------------------------------------------------------------------------------------------------------- calibrate
+def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: bool = True,
+              check_finite: bool = True) -> QuantizedModel:
+    """Calibrate the activation quantizers of ``qm`` on ``data`` and switch every quantizer on.
+
+    Runs the float model (all quantizers pass-through, observers recording), in batches of ``batch_size``
+    samples on ``qm``'s device, one pass (two for histogram methods). The result does not depend on
+    ``batch_size``. Then applies the range adjustments and alignments of the plan and the INT32 bias scales.
+
+    Args:
+        qm: the prepared model.
+        data: any form accepted by :func:`qtorch_onnx.data.to_samples`.
+        batch_size: samples per forward pass (only where the model's batch dimension is dynamic).
+        progress: show a tqdm progress bar.
+        check_finite: raise DataError when a calibration input holds NaN/Inf.
+
+    Raises:
+        DataError: empty data, wrong input names/shapes/dtypes, NaN/Inf in inputs or in an activation.
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    samples = _data.to_samples(data, qm.input_specs)
+    if check_finite:
+        _data.check_finite(samples, qm.input_specs)
+    fqs = qm.quantizers()
+    observed = [fq for fq in fqs.values() if fq.observer is not None]
+    for fq in observed:
+        fq.observer.reset()
+    device = qm.device
+    previous = {name: fq.mode for name, fq in fqs.items()}
+    qm.set_mode("float")
+    for fq in observed:
+        fq.set_mode("observe")
+    passes = 2 if any(getattr(fq.observer, "needs_second_pass", False) for fq in observed) else 1
+    was_training = qm.training
+    qm.eval()
+    try:
+        with torch.no_grad():
+            for p in range(passes):
+                if p == 1:
+                    for fq in observed:
+                        if getattr(fq.observer, "needs_second_pass", False):
+                            fq.observer.start_second_pass()
+                batch_list = list(_data.batches(samples, qm.input_specs, batch_size))
+                desc = "calibrate" if passes == 1 else f"calibrate pass {p + 1}/{passes}"
+                for batch in tqdm(batch_list, desc=desc, disable=not progress, leave=False):
+                    qm(*(t.to(device) for t in batch))
+    finally:
+        qm.train(was_training)
+    for name, fq in fqs.items():
+        fq.set_mode(previous[name])
+    finalize_qparams(qm)
+    qm.set_mode("quantize")
+    qm.stage_times["calibrate"] = time.perf_counter() - t0
+    return qm
+
+
+def finalize_qparams(qm: QuantizedModel) -> None:
+    """Compute activation qparams from observers, then apply range_from, fixed ranges, overrides, sharing and
+    INT32 bias scales (NUMERICS.md sections 1-2)."""
+    fqs = qm.quantizers()
+    specs = qm.plan.specs
+    ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, fq in fqs.items():
+        if fq.observer is not None and fq.role == "activation":
+            ranges[name] = fq.observer.compute_range()
+    for name, fq in fqs.items():
+        spec = specs[name]
+        if fq.role != "activation" or not fq.needs_calibration:
+            continue
+        if spec.fixed_range is not None:
+            fq.compute_qparams_from_range(torch.tensor(spec.fixed_range[0], dtype=torch.float64),
+                                          torch.tensor(spec.fixed_range[1], dtype=torch.float64))
+        elif spec.range_from is not None and spec.range_from in ranges and not qm.config.power_of_two:
+            fq.compute_qparams_from_range(*ranges[spec.range_from])
+        elif fq.observer is not None:
+            fq.finish_calibration()
+        _apply_overrides(fq, spec)
+    for name, fq in fqs.items():
+        spec = specs[name]
+        if spec.share_with is not None and spec.share_with in fqs:
+            src = fqs[spec.share_with]
+            fq.set_qparams(src.scale, src.zero_point)
+    for name, fq in fqs.items():
+        spec = specs[name]
+        if spec.bias_of is not None:
+            x, w = spec.bias_of
+            sx, sw = fqs[x].scale.double(), fqs[w].scale.double()
+            fq.set_qparams((sx * sw).to(torch.float32))
+    for name, fq in fqs.items():
+        if fq.needs_calibration and not fq.calibrated:
+            raise DataError(f"quantizer on tensor {name!r} was never calibrated (the calibration data did not reach it)")
+
+
+def _apply_overrides(fq: FakeQuantize, spec: QuantSpec) -> None:
+    ov = dict(spec.overrides)
+    if "scale" in ov:
+        fq.set_qparams(torch.as_tensor(ov["scale"], dtype=torch.float32),
+                       torch.as_tensor(ov.get("zero_point", 0), dtype=torch.int64))
+    elif "rmin" in ov or "rmax" in ov:
+        fq.compute_qparams_from_range(torch.as_tensor(ov.get("rmin", 0.0), dtype=torch.float64),
+                                      torch.as_tensor(ov.get("rmax", 0.0), dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------------------- Quark API
+class ModelQuantizer:
+    """Quark-compatible entry point: ``ModelQuantizer(config).quantize_model(input, output, data_reader)``.
+
+    Args:
+        config: a ``Config`` (``global_quant_config=QuantizationConfig(...)``), a ``QuantizationConfig``, or a
+            named configuration string. Validated here; never mutated.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = copy.deepcopy(config) if not isinstance(config, str) else config
+        self.resolved = resolve(self.config)
+        self.quantized_model: Optional[QuantizedModel] = None
+
+    def quantize_model(self, model_input: ModelLike, model_output: Optional[Union[str, os.PathLike]] = None,
+                       calibration_data_reader: Any = None, calibration_data_path: Optional[str] = None,
+                       *, device: Union[str, torch.device, None] = None, progress: bool = True
+                       ) -> Optional[onnx.ModelProto]:
+        """Quantize ``model_input`` and write ``model_output`` (atomically), or return the ModelProto.
+
+        Raises:
+            DataError: calibration is needed and no data was given, or the data is invalid.
+        """
+        from .export import export
+
+        qm = prepare(model_input, self.resolved, device=device)
+        data = calibration_data_reader if calibration_data_reader is not None else calibration_data_path
+        if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
+            if data is None:
+                raise DataError("this configuration calibrates activations: give calibration_data_reader "
+                                "or calibration_data_path")
+            calibrate(qm, data, progress=progress)
+        else:
+            qm.set_mode("quantize")
+        self.quantized_model = qm
+        proto = export(qm, model_output)
+        return None if model_output is not None else proto
