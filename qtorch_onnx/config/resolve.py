@@ -45,6 +45,7 @@ BF16 seed document shows ``FastFinetune`` without ``include_fast_ft`` and means 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 import re
 from typing import Any, Callable, Iterable, Optional
@@ -160,7 +161,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|hip(:\d+)?)$")
 # Small typed readers. ``where`` is the key path shown in messages, e.g. "extra_options['FastFinetune']".
 # --------------------------------------------------------------------------------------------------------
 def _bool(value: Any, where: str) -> bool:
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return bool(value)
     raise ConfigError(f"{where} must be a bool (True or False), got {value!r} ({type(value).__name__})")
 
@@ -277,8 +278,8 @@ def _type_to_format(value: Any, where: str, bfp: F.BFPFormat, mx: F.MXFormat):
     if member is None:
         hint = ""
         if isinstance(value, str):
-            hint = closest(value, TYPE_TO_FORMAT)
-            hint = f" (use ExtendedQuantType.{hint.split(chr(39))[1]})" if hint else ""
+            near = difflib.get_close_matches(value, list(TYPE_TO_FORMAT), n=1, cutoff=0.5)
+            hint = f" (did you mean ExtendedQuantType.{near[0]}?)" if near else ""
         raise ConfigError(f"{where} must be a QuantType or ExtendedQuantType member, got {value!r}{hint}; "
                           f"valid: {valid}")
     name = member[1]
@@ -346,7 +347,7 @@ def _parse(qc: Any) -> _Parsed:
                           f"{qc.quant_format!r}")
     if qf[1] == "QOperator":
         _need(features, "qoperator_format", f"quant_format={qf[0]}.QOperator")
-    kw["quant_format"] = "QDQ" if qf[0] == "QuantFormat" else "ExtendedQDQ"
+    kw["quant_format"] = "QOperator" if qf[1] == "QOperator" else "QDQ" if qf[0] == "QuantFormat" else "ExtendedQDQ"
 
     # --- plain fields ---------------------------------------------------------------------------------
     for field in ("input_nodes", "output_nodes", "op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude"):
@@ -497,7 +498,7 @@ def _parse(qc: Any) -> _Parsed:
         kw["fast_finetune"] = _parse_fast_ft(eo.get("FastFinetune", {}), f"{W}['FastFinetune']", weight,
                                              tensor_precision)
         why = "include_fast_ft=True" if include_fast_ft else f"{W}['FastFinetune']"
-        _need(features, "fast_finetune", f"{why} ({kw['fast_finetune'].optim_algorithm})")
+        _need(features, "fast_finetune", f"{why}, {kw['fast_finetune'].optim_algorithm}")
     else:
         kw["fast_finetune"] = None
 

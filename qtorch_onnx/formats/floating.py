@@ -105,7 +105,11 @@ def fp16_quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp16_dequantize(q: torch.Tensor) -> torch.Tensor:
-    """Quark's ExtendedDequantizeLinear from float16: a Cast to float32 (scale and zero point ignored)."""
+    """Quark's ExtendedDequantizeLinear from float16: a Cast to float32 (scale and zero point ignored).
+
+    Exact widening. NaN payloads: ONNX Runtime quiets a signalling float16 NaN or not depending on the
+    element's position in the buffer (golden README item 4); only NaN-ness is contractual.
+    """
     if q.dtype != torch.float16:
         raise ConfigError(f"fp16_dequantize expects a float16 tensor, got {q.dtype}")
     return q.to(torch.float32)

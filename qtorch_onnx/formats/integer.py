@@ -318,7 +318,7 @@ def fake_quantize_lsq(x: torch.Tensor, scale: torch.Tensor, zero_point: Optional
     if not isinstance(scale, torch.Tensor):
         raise ConfigError("fake_quantize_lsq: scale must be a tensor (the learnable parameter)")
     if grad_factor is None:
-        n_per = max(1, x.numel() // max(1, scale.numel()))
+        n_per = max(1.0, x.numel() / max(1, scale.numel()))
         grad_factor = 1.0 / math.sqrt(n_per * quant_range(fmt, narrow_range)[1])
     return _FakeQuantizeLSQ.apply(x, scale, zero_point, fmt, axis, block_size, narrow_range, float(grad_factor))
 
@@ -434,6 +434,12 @@ def pow2_scale_nonoverflow(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, s
         if not c.any():
             break
         pos = torch.where(c, pos - 1, pos)
+    for _ in range(2):  # asymmetric: rounding slack may allow a smaller scale than the span bound
+        nxt = torch.clamp(pos + 1, max=126)
+        grow = (nxt > pos) & ~zero & ~clips(nxt)
+        if not grow.any():
+            break
+        pos = torch.where(grow, nxt, pos)
     scale = torch.exp2(-pos)
     if zp is None:
         zp = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax)

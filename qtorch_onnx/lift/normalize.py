@@ -29,7 +29,7 @@ there is one.
 from __future__ import annotations
 
 import logging
-import math
+import re
 from typing import Iterable
 
 import numpy as np
@@ -91,6 +91,8 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
 def _should_fold(node) -> bool | None:
     if node.domain not in _STANDARD_DOMAINS or node.op_type in _NEVER_FOLD:
         return False
+    if node.op_type == "ConstantOfShape":  # onnxscript keeps these by default (model size); we fold them
+        return True
     return None
 
 
@@ -116,12 +118,15 @@ def _ir_passes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 # --------------------------------------------------------------------------------------------- proto passes
 def _drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
-    """Pass 4: ``Op(x, "", "")`` -> ``Op(x)`` (empty trailing optional inputs carry no information)."""
+    """Pass 4: ``Op(x, "", "")`` -> ``Op(x)`` (empty trailing optional inputs and outputs carry no
+    information: an omitted optional output is one nobody asked for)."""
     for node in graph.node:
         if node.domain == "ai.onnx":
             node.domain = ""
         while len(node.input) and node.input[-1] == "":
             del node.input[-1]
+        while len(node.output) > 1 and node.output[-1] == "":
+            del node.output[-1]
 
 
 def _get_attr(node: onnx.NodeProto, name: str, default=None):
@@ -306,23 +311,30 @@ def _fold_batchnorm(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
 def _name_nodes(graph: onnx.GraphProto) -> None:
     """Pass 8: unique, non-empty node names; existing unique names are kept.
 
-    A node without a name becomes ``<op_type>_<index in graph>``; a duplicate becomes ``<name>_<k>``
-    (smallest k >= 1 not taken). Deterministic for a given graph.
+    A node without a name becomes ``<op_type>_<index in graph>``; a later duplicate becomes ``<name>_<k>``
+    (smallest k >= 1 not taken); a name equal to a graph input or initializer name (after onnx2torch's
+    '.' -> '/' mapping) becomes ``<name>_node``. Deterministic for a given graph.
     """
+    # onnx2torch keys its conversion table by graph input names, initializer names, its buffer names and
+    # its module names ('.' -> '/'): a node whose module name equals one of those is renamed.
+    reserved = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+
+    def clashes(name: str) -> bool:
+        mod = name.replace(".", "/")
+        return mod in reserved or re.fullmatch(r"onnx_initializer_\d+", mod) is not None
+
     counts: dict[str, int] = {}
     for node in graph.node:
-        if node.name:
+        if node.name and not clashes(node.name):
             counts[node.name] = counts.get(node.name, 0) + 1
-    taken = set(counts)
+    taken = set(counts) | reserved
     seen: set[str] = set()
     for index, node in enumerate(graph.node):
-        if node.name and counts[node.name] == 1:
+        ok = node.name and not clashes(node.name)
+        if ok and node.name not in seen:  # unique, or the first occurrence of a duplicate: keeps its name
             seen.add(node.name)
             continue
-        if node.name and node.name not in seen:  # first occurrence of a duplicate keeps its name
-            seen.add(node.name)
-            continue
-        base = node.name or f"{node.op_type}_{index}"
+        base = (node.name + "_node" if clashes(node.name) else node.name) if node.name else f"{node.op_type}_{index}"
         name, k = base, 1
         while name in taken:
             name, k = f"{base}_{k}", k + 1

@@ -74,12 +74,32 @@ def _same_pads(size: int, kernel: int, stride: int, dilation: int = 1) -> tuple[
     return total // 2, total - total // 2
 
 
+class _ConstantPad(torch.autograd.Function):
+    """Zero padding that exports as one ``Pad`` node with a constant ``pads`` input.
+
+    (The TorchScript exporter's own ``F.pad`` symbolic emits a ConstantOfShape/Concat/Reshape/Slice/
+    Transpose/Cast chain that its constant folding leaves in place.) Used only while exporting; eager
+    and autograd use ``F.pad``. ``pads`` is ``(left, right, top, bottom)`` as in ``F.pad``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pads: tuple[int, int, int, int]) -> torch.Tensor:  # noqa: D102
+        return F.pad(x, pads)
+
+    @staticmethod
+    def symbolic(g, x, pads):  # noqa: D102
+        left, right, top, bottom = pads
+        onnx_pads = torch.tensor([0, 0, top, left, 0, 0, bottom, right], dtype=torch.int64)
+        return g.op("Pad", x, g.op("Constant", value_t=onnx_pads), mode_s="constant")
+
+
 class Conv2dSame(nn.Conv2d):
     """``nn.Conv2d`` with TensorFlow "SAME" zero padding computed from the input's spatial size.
 
-    Input ``[N, C_in, H, W]`` -> output ``[N, C_out, ceil(H / s), ceil(W / s)]``. The padding is
-    computed with Python integers from the (static) input shape, so an exported graph at a fixed
-    resolution holds constant pads.
+    Input ``[N, C_in, H, W]`` -> output ``[N, C_out, ceil(H / s), ceil(W / s)]``. Symmetric padding
+    goes into the convolution itself; asymmetric padding (stride 2 on an even size) is an explicit zero
+    pad (bottom/right get the extra row/column). The padding is computed with Python integers from the
+    (static) input shape, so an exported graph at a fixed resolution holds constants.
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel: int, stride: int = 1, groups: int = 1, bias: bool = False):
@@ -89,9 +109,13 @@ class Conv2dSame(nn.Conv2d):
         ih, iw = int(x.shape[-2]), int(x.shape[-1])
         ph = _same_pads(ih, self.kernel_size[0], self.stride[0], self.dilation[0])
         pw = _same_pads(iw, self.kernel_size[1], self.stride[1], self.dilation[1])
-        if any(ph + pw):
-            x = F.pad(x, (pw[0], pw[1], ph[0], ph[1]))
-        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        if ph[0] == ph[1] and pw[0] == pw[1]:
+            padding = (ph[0], pw[0])
+        else:
+            pads = (pw[0], pw[1], ph[0], ph[1])
+            x = _ConstantPad.apply(x, pads) if torch.onnx.is_in_onnx_export() else F.pad(x, pads)
+            padding = (0, 0)
+        return F.conv2d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
 def _bn(ch: int) -> nn.BatchNorm2d:

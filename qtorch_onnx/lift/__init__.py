@@ -1,0 +1,20 @@
+"""ONNX -> torch.fx lifting: normalization passes, onnx2torch converters, and the TensorMap.
+
+Public API:
+    normalize(model, *, fold_batchnorm=False) -> onnx.ModelProto
+    normalize_with_aliases(model, *, fold_batchnorm=False) -> (onnx.ModelProto, {removed name: survivor})
+    lift(model_or_path, *, fold_batchnorm=False) -> torch.fx.GraphModule
+        (gm.onnx_model, gm.tensor_map, gm.input_names, gm.output_names)
+    check_supported(model) -> None (raises UnsupportedOpsError), load_model(model_or_path)
+    TensorMap, TensorRef, ModelInfo, NodeInfo, TensorInfo
+
+This package knows ONNX and torch, nothing about quantization.
+"""
+from .normalize import normalize, normalize_with_aliases, same_pads
+from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
+from .lifter import check_supported, lift, load_model
+
+__all__ = [
+    "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",
+    "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo",
+]
