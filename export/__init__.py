@@ -84,8 +84,7 @@ def _current_initializer_values(qm) -> Dict[str, np.ndarray]:
     gm = qm.gm
     init_names = {t.name for t in qm.onnx_model.graph.initializer}
     for name in init_names:
-        ref = qm.tensor_map.lookup(name)
-        refs = list(ref) if isinstance(ref, (list, tuple)) else ([ref] if ref is not None else [])
+        refs = qm.tensor_map.refs(name) if name in qm.tensor_map else ()
         for r in refs:
             if r.kind == "param":
                 module = gm.get_submodule(r.module)
@@ -287,7 +286,7 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
         axis = fq.onnx_axis if fq.scale.dim() > 0 else None
         scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()
         if fq.role == "bias" and fmt.bits == 32:
-            q = _integer.quantize_bias(x, scale, axis=axis)
+            q = _integer.quantize_bias(x, scale)
         else:
             q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
         qarr = q.cpu().numpy().astype(fmt.numpy_dtype)

@@ -146,12 +146,29 @@ class FakeQuantize(nn.Module):
         """Fake-quantize ``x`` (float32 tensor of any shape) with the current parameters; differentiable."""
         fmt = self.fmt
         if isinstance(fmt, IntFormat):
+            per_channel = self.scale.dim() > 0
+            if self.role == "bias" and fmt.bits == 32:
+                # INT32 bias: float64 division (NUMERICS.md section 1), straight-through gradient
+                with torch.no_grad():
+                    q = _integer.quantize_bias(x, self.scale)
+                    y = _integer.dequantize(q, self.scale, None, axis=self.axis if per_channel else None)
+                return x + (y - x).detach()
             return _integer.fake_quantize_ste(
-                x, self.scale, self.zero_point, fmt, axis=self.axis if self.scale.dim() else None,
+                x, self.scale, self.zero_point, fmt, axis=self.axis if per_channel else None,
                 narrow_range=self.narrow_range,
             )
         if isinstance(fmt, FloatFormat):
-            return _floating.fake_float_ste(x, fmt.kind, self.scale, form=self.float_form)
+            if self.float_form != "cast":
+                raise UnsupportedFeatureError(
+                    f"quantizer on {self.tensor_name!r}: the Q/DQ form of {fmt.name} needs the operator library")
+            rnd = _floating.bf16_round_ste if fmt.kind == "BF16" else _floating.fp16_round_ste
+            if self.scale.numel() == 1 and float(self.scale) == 1.0:
+                return rnd(x)
+            # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (NUMERICS.md section 3)
+            inv = torch.ones_like(self.scale) / self.scale if self.scale.dim() == 0 else None
+            if inv is None:
+                raise UnsupportedFeatureError(f"quantizer on {self.tensor_name!r}: per-channel {fmt.name} scales")
+            return rnd(x * inv) * self.scale
         if isinstance(fmt, (BFPFormat, MXFormat)):
             try:
                 from .formats import block_fake_quantize_ste  # added by the block-format work

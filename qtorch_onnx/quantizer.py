@@ -120,10 +120,12 @@ class QuantizedModel(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------- prepare
 def _refs(tensor_map: Any, tensor: str) -> list:
-    ref = tensor_map.lookup(tensor)
-    if ref is None:
+    """Locations of an ONNX tensor in the lifted module that can carry a quantizer (fx nodes, parameters)."""
+    try:
+        refs = tensor_map.refs(tensor)
+    except KeyError:
         return []
-    return list(ref) if isinstance(ref, (list, tuple)) else [ref]
+    return [r for r in refs if r.kind in ("node", "param")]
 
 
 def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
@@ -191,9 +193,13 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     gm.add_module("quantizers", holder)
     graph = gm.graph
     nodes_by_name = {n.name: n for n in graph.nodes}
-    for tensor, spec in plan.specs.items():
+    for tensor, spec in list(plan.specs.items()):
         refs = _refs(tm, tensor)
         if not refs:
+            if tensor in plan.info.initializers:
+                # baked into a converted module as a constant (e.g. a shape or bound): nothing to emulate
+                del plan.specs[tensor]
+                continue
             raise ModelError(f"tensor {tensor!r} has no counterpart in the lifted torch graph (lifting bug)")
         observer = None
         if spec.role == "activation" and not spec.overrides and spec.share_with is None and (

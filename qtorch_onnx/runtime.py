@@ -197,9 +197,7 @@ def check_parity(qm, exported: onnx.ModelProto, qmap: Dict, samples: Sequence[Tu
 
 
 def _perm_of(qm, tensor: str):
-    ref = qm.tensor_map.lookup(tensor)
-    refs = list(ref) if isinstance(ref, (list, tuple)) else [ref]
-    for r in refs:
-        if r is not None and r.kind == "param":
+    for r in qm.tensor_map.refs(tensor):
+        if r.kind == "param":
             return getattr(r, "perm", None)
     return None
