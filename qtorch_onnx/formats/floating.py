@@ -48,20 +48,31 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bf16_bits_rne(x: torch.Tensor, nan_bits: Optional[int]) -> torch.Tensor:
-    """float32 -> int32 holding the upper 16 bits of the BF16 result (RNE on the bit pattern).
+    """float32 -> int32 holding the 16 bits of the BF16 result (round to nearest even on the bit pattern).
 
     ``nan_bits=None``: NaN -> sign | 0x7FC0 (ONNX Runtime Cast). Otherwise NaN -> ``nan_bits``.
+    torch's own float32 -> bfloat16 conversion is RNE with overflow to Inf and kept subnormals (checked bit
+    for bit against :func:`_bf16_bits_oracle` and ONNX Runtime in the tests) and about 9x faster than the
+    integer formulation on CPU; only its NaN encoding differs, so NaNs are patched afterwards.
     """
+    xf = _f32(x)
+    r = xf.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    nan = torch.isnan(xf)
+    if nan_bits is None:
+        nb = ((xf.view(torch.int32) >> 16) & 0x8000) | 0x7FC0
+    else:
+        nb = torch.full_like(r, nan_bits)
+    return torch.where(nan, nb, r)
+
+
+def _bf16_bits_oracle(x: torch.Tensor) -> torch.Tensor:
+    """Integer reference of :func:`_bf16_bits_rne` (``nan_bits=None``): ``(u + 0x7FFF + lsb) >> 16``."""
     u = _f32(x).contiguous().view(torch.int32)
     # int32 arithmetic wraps modulo 2^32; only NaN patterns could carry past the sign bit and they are replaced.
     lsb = (u >> 16) & 1
     r = ((u + (0x7FFF + lsb)) >> 16) & 0xFFFF
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    if nan_bits is None:
-        nb = ((u >> 16) & 0x8000) | 0x7FC0
-    else:
-        nb = torch.full_like(u, nan_bits)
-    return torch.where(nan, nb, r)
+    return torch.where(nan, ((u >> 16) & 0x8000) | 0x7FC0, r)
 
 
 def _bits_to_f32(b: torch.Tensor) -> torch.Tensor:

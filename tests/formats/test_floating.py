@@ -137,6 +137,9 @@ def test_bf16_round_vs_onnxruntime_cast():
     np.testing.assert_array_equal(got, ref)
     oracle = np.array([bf16_oracle_bits(int(v)) for v in u[:5000]], dtype=np.uint32)
     np.testing.assert_array_equal(got[:5000], oracle)
+    # the integer formulation (kept as a second reference) agrees everywhere too
+    ints = (F._bf16_bits_oracle(torch.from_numpy(x)) << 16).numpy().view(np.uint32)
+    np.testing.assert_array_equal(ints, ref)
 
 
 def test_bf16_round_matches_torch_cast_except_nan():
