@@ -90,7 +90,13 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of the same shape.
     """
-    return _bits_to_f32(_bf16_bits_rne(x, None))
+    xf = _f32(x)
+    y = xf.to(torch.bfloat16).to(torch.float32)
+    nan = torch.isnan(xf)
+    if bool(nan.any()):  # torch writes NaN as 0xFFFF: restore ONNX Runtime's sign | 0x7FC0
+        nb = (xf.view(torch.int32) & torch.tensor(-0x80000000, dtype=torch.int32, device=xf.device)) | 0x7FC00000
+        y = torch.where(nan, nb.view(torch.float32), y)
+    return y
 
 
 def fp16_round(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ __all__ = [
     "fake_quantize_lsq",
     "qparams_from_range",
     "pow2_scale_nonoverflow",
-    "pow2_quantize_mse",
     "bias_scale",
     "quantize_bias",
     "quant_range",
@@ -444,16 +443,6 @@ def pow2_scale_nonoverflow(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, s
     if zp is None:
         zp = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax)
     return scale.to(torch.float32), zp.to(torch.int64), pos.to(torch.int64)
-
-
-def pow2_quantize_mse(x: torch.Tensor, pos: torch.Tensor, fmt: IntFormat, zero_point: int = 0) -> torch.Tensor:
-    """Sum of squared errors of fake-quantizing ``x`` with scale ``2^-pos`` (per tensor), float64 scalar.
-
-    Helper of the MinMSE power-of-two method (``observers.PowerOfTwoObserver``).
-    """
-    s = torch.exp2(-pos.to(torch.float64)).to(torch.float32)
-    y = fake_quantize(x, s, torch.tensor(zero_point), fmt)
-    return ((y.to(torch.float64) - x.to(torch.float64)) ** 2).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------

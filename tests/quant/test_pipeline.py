@@ -99,9 +99,13 @@ def test_calibration_independent_of_batch_size():
         qm = qo.prepare(model, "A8W8")
         qo.calibrate(qm, data, batch_size=bs, progress=False)
         scales.append({t: fq.scale.clone() for t, fq in qm.quantizers().items()})
+    # The observers are batch-size independent bit for bit (tests/test_observers.py). Inside the model, torch's
+    # float kernels themselves may differ in the last bit between batch sizes (blocked convolution), so only
+    # the graph input's scale is compared bitwise here and the rest to float32 rounding of that effect.
     for other in scales[1:]:
+        assert torch.equal(scales[0]["input"].view(torch.int32), other["input"].view(torch.int32))
         for t in scales[0]:
-            assert torch.equal(scales[0][t].view(torch.int32), other[t].view(torch.int32)), t
+            torch.testing.assert_close(scales[0][t], other[t], rtol=1e-6, atol=0, msg=t)
 
 
 def test_training_style_gradients():
