@@ -44,6 +44,7 @@ class FakeQuantize(nn.Module):
         scaled: BF16/FP16 only: use a calibrated scale ``max(|rmin|, |rmax|) / 2`` (WeightScaled /
             ActivationScaled, NUMERICS.md section 3) instead of 1.0.
         onnx_axis: the same axis in the ONNX tensor's layout (export uses it); defaults to ``axis``.
+        power_of_two: integer scales from a range are powers of two (NonOverflow rule, NUMERICS.md section 1).
 
     Buffers:
         scale: float32, shape ``[]`` (per tensor) or ``[C]`` (per channel).
@@ -65,6 +66,7 @@ class FakeQuantize(nn.Module):
         observer: Optional[nn.Module] = None,
         scaled: bool = False,
         onnx_axis: Optional[int] = None,
+        power_of_two: bool = False,
     ) -> None:
         super().__init__()
         if role not in ROLES:
@@ -78,6 +80,7 @@ class FakeQuantize(nn.Module):
         self.narrow_range = narrow_range
         self.observer = observer
         self.scaled = scaled
+        self.power_of_two = power_of_two
         self.mode = "float"
         #: BF16 export form: "cast" multiplies by float32(1/scale) before rounding (what the Cast form
         #: computes); "qdq" divides by the scale (ExtendedQuantizeLinear). NUMERICS.md section 3.
@@ -120,7 +123,10 @@ class FakeQuantize(nn.Module):
         ``scale = float32(max(|rmin|, |rmax|) / 2)`` (section 3).
         """
         if isinstance(self.fmt, IntFormat):
-            scale, zp = _integer.qparams_from_range(rmin, rmax, self.fmt, self.symmetric)
+            if self.power_of_two:
+                scale, zp, _ = _integer.pow2_scale_nonoverflow(rmin, rmax, self.fmt, self.symmetric)
+            else:
+                scale, zp = _integer.qparams_from_range(rmin, rmax, self.fmt, self.symmetric)
             self.set_qparams(scale, zp)
         elif isinstance(self.fmt, FloatFormat):
             a = torch.maximum(torch.as_tensor(rmin, dtype=torch.float64).abs(), torch.as_tensor(rmax, dtype=torch.float64).abs())

@@ -29,7 +29,6 @@ from . import data as _data
 from .config.internal import ResolvedConfig
 from .errors import ConfigError, DataError, ModelError
 from .fakequant import FakeQuantize, ParamQuantizer
-from .formats import integer as _integer
 from .formats.spec import FloatFormat, IntFormat
 from .placement import Plan, QuantSpec, plan_quantization
 
@@ -132,7 +131,7 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
     from .observers import make_observer
 
     if isinstance(spec.fmt, IntFormat) and cfg.power_of_two:
-        return make_observer(cfg.calibrate_method, name=spec.tensor)
+        return make_observer(cfg.calibrate_method, name=spec.tensor, fmt=spec.fmt, symmetric=spec.symmetric)
     method = cfg.calibrate_method
     opts: Dict[str, Any] = {"name": spec.tensor}
     if method == "MinMax":
@@ -145,7 +144,7 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
     return make_observer(method, **opts)
 
 
-def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, cfg: ResolvedConfig, onnx_axis: Optional[int]) -> None:
+def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, onnx_axis: Optional[int]) -> None:
     """Quantization parameters of a weight from its own values (ONNX layout), per tensor or per channel."""
     v = value.detach().to(torch.float64)
     if onnx_axis is None:
@@ -153,11 +152,7 @@ def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, cfg: ResolvedConfig, 
     else:
         dims = [d for d in range(v.dim()) if d != onnx_axis]
         rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
-    if isinstance(fq.fmt, IntFormat) and cfg.power_of_two:
-        scale, zp = _integer.pow2_scale_nonoverflow(rmin, rmax, fq.fmt, fq.symmetric)
-        fq.set_qparams(scale, zp)
-    else:
-        fq.compute_qparams_from_range(rmin, rmax)
+    fq.compute_qparams_from_range(rmin, rmax)
 
 
 def _initializer_value(info, tensor: str) -> torch.Tensor:
@@ -211,10 +206,11 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         if param_refs and spec.axis is not None and getattr(param_refs[0], "perm", None):
             torch_axis = list(param_refs[0].perm).index(spec.axis)
         fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
-                          symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled)
+                          symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled,
+                          power_of_two=cfg.power_of_two and isinstance(spec.fmt, IntFormat))
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if tensor in plan.info.initializers:
-                _weight_qparams(fq, _initializer_value(plan.info, tensor), cfg, spec.axis)
+                _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
         holder.add_module(_safe(tensor), fq)
         target = f"quantizers.{_safe(tensor)}"
         for ref in refs:

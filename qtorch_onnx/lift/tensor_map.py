@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Mapping
 
 import onnx
@@ -122,11 +121,11 @@ class ModelInfo:
     """
 
     def __init__(self, nodes, tensors, input_names, output_names, opsets):
-        self.nodes: Mapping[str, NodeInfo] = MappingProxyType(dict(nodes))
-        self.tensors: Mapping[str, TensorInfo] = MappingProxyType(dict(tensors))
+        self.nodes: dict[str, NodeInfo] = dict(nodes)
+        self.tensors: dict[str, TensorInfo] = dict(tensors)
         self.input_names: tuple[str, ...] = tuple(input_names)
         self.output_names: tuple[str, ...] = tuple(output_names)
-        self.opsets: Mapping[str, int] = MappingProxyType(dict(opsets))
+        self.opsets: dict[str, int] = dict(opsets)
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, modules: Mapping[str, tuple[str, str]] | None = None) -> "ModelInfo":
@@ -168,7 +167,7 @@ class ModelInfo:
             mod, fxn = modules.get(node.name, (None, None))
             domain = "" if node.domain == "ai.onnx" else node.domain
             nodes[node.name] = NodeInfo(node.name, node.op_type, domain, opsets.get(domain, 0), tuple(node.input),
-                                        tuple(node.output), MappingProxyType(attrs), mod, fxn)
+                                        tuple(node.output), attrs, mod, fxn)
             for i in dict.fromkeys(node.input):
                 if i:
                     consumers.setdefault(i, []).append(node.name)
@@ -202,7 +201,7 @@ class TensorMap:
                  aliases: Mapping[str, str | None] | None = None):
         self._refs = {k: tuple(v) for k, v in refs.items()}
         self.graph = graph
-        self.aliases: Mapping[str, str | None] = MappingProxyType(dict(aliases or {}))
+        self.aliases: dict[str, str | None] = dict(aliases or {})
         self._by_fx: dict[str, str] = {}
         self._by_param: dict[tuple[str, str], str] = {}
         for name, rs in self._refs.items():

@@ -225,3 +225,17 @@ def test_initializer_listed_as_input_and_output_passthrough():
     assert gm.input_names == ("x",) and gm.output_names == ("y", "x")
     y, x = gm(torch.tensor([1.0, 1.0]))
     assert y.tolist() == [2.0, 3.0] and x.tolist() == [1.0, 1.0]
+
+
+def test_lifted_module_deepcopies_and_pickles(tmp_path):
+    import copy
+    import pickle
+
+    gm = lift(_mlp(0))
+    clone = copy.deepcopy(gm)
+    assert clone.tensor_map["w"] == gm.tensor_map["w"] and clone.output_names == gm.output_names
+    assert clone.tensor_map.graph.nodes["fc"].attributes["transB"] == 0
+    feeds = {"x": _rand(2, 3), "z": _rand(2, 2)}
+    for a, b in zip(run_gm(gm, feeds), run_gm(clone.double().float(), feeds)):
+        np.testing.assert_array_equal(a, b)
+    pickle.loads(pickle.dumps(gm.tensor_map))

@@ -224,3 +224,28 @@ def test_nodes_to_exclude_and_op_types():
     cfg2.op_types_to_quantize = ["Conv"]
     qm2 = _quantize(cnn(), qo.Config(global_quant_config=cfg2))
     assert "fc_w" not in qm2.plan.specs and "w2" in qm2.plan.specs
+
+
+@pytest.mark.parametrize("name", ["XINT8", "S8S8_AAWS", "U8S8_AAWS", "S16S8_ASWS", "U16S8_AAWS", "INT8_CNN_DEFAULT",
+                                  "INT16_CNN_DEFAULT", "INT8_TRANSFORMER_DEFAULT"])
+def test_named_integer_configs_export_bit_exact(name):
+    qm = _quantize(cnn(), name)
+    fqs = qm.quantizers()
+    if name == "XINT8":  # power-of-two scales everywhere
+        for t, fq in fqs.items():
+            m, e = np.frexp(fq.scale.double().numpy())
+            assert np.all(m == 0.5), (t, fq.scale)
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rep = check_parity(qm, exported, qmap, to_samples(calib_data(2, seed=5), qm.input_specs),
+                       opt_levels=("ORT_DISABLE_ALL",))
+    assert all(n.exact for n in rep.nodes), [n for n in rep.nodes if not n.exact]
+    for o in rep.outputs:
+        assert o.identical_fraction >= 0.99 and (o.max_step_diff is None or o.max_step_diff <= 1), o
+
+
+@pytest.mark.parametrize("method", ["Percentile", "Entropy", "Distribution"])
+def test_histogram_calibration_methods(method):
+    cfg = qo.get_default_config("A8W8")
+    cfg.calibrate_method = getattr(qo.CalibrationMethod, method)
+    qm = _quantize(cnn(), qo.Config(global_quant_config=cfg), calib_data(3))
+    assert all(fq.calibrated for fq in qm.quantizers().values())
