@@ -40,6 +40,19 @@ def exp2i(k):
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def row_max(e):
+    """Maximum over axis 1 (keepdims). Own combine function instead of ``tl.max``: triton.language's
+    ``@jit`` helpers are JITFunctions when triton was imported before ``TRITON_INTERPRET=1`` was set (torch
+    imports it), and the interpreter cannot call those."""
+    return tl.reduce(e, 1, _max_combine)[:, None]
+
+
+@triton.jit
 def div_pow2(x, k):
     """``x / 2^k`` correctly rounded, for int32 ``k`` in [-276, 127]: a product by 2^-k, split in two
     upward (exact) products when 2^-k is not a float32."""
@@ -112,9 +125,9 @@ def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
     e = exponent_field(x)
     qmax: tl.constexpr = (1 << M) - 1
     if PRIME:
-        shared = tl.max(e, axis=1)[:, None]  # Inf/NaN included
+        shared = row_max(e)  # Inf/NaN included
         # sub-block maxima without a reshape: reload the SUB members of each element's sub-block
-        e_sub = tl.zeros_like(e)
+        e_sub = tl.full(e.shape, 0, tl.int32)
         for t in tl.static_range(SUB):
             a_t = pid_b * BLOCK_SIZE + (j // SUB) * SUB + t
             x_t, _, _ = _load_tile(x_ptr, rows, n_rows, n_axis, inner, a_t, jmask, BF16)
@@ -143,7 +156,7 @@ def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
         keep = ~saturated
     else:
         special = e == 255
-        shared = tl.max(tl.where(special, 0, e), axis=1)[:, None]
+        shared = row_max(tl.where(special, 0, e))
         k = shared - 127 - (M - 1)
         v = div_pow2(x, k)
         mag = round_magnitude(v, MODE)

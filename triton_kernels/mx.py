@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 try:  # installed as qtorch_onnx.triton_kernels, or imported from the repository root as triton_kernels
-    from .bfp import _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from .bfp import row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 except ImportError:  # pragma: no cover
-    from bfp import _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from bfp import row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 
 __all__ = ["mx_quantize_dequantize_triton"]
 
@@ -34,7 +34,7 @@ def _mx_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
     x, offs, valid = _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, j < BLOCK_SIZE, False)
     e = exponent_field(x)
     special = e == 255
-    shared = tl.max(tl.where(special, 0, e), axis=1)[:, None]
+    shared = row_max(tl.where(special, 0, e))
     ks = shared - 127 - EMAX  # X = 2^ks
     v = div_pow2(x, ks)
     if IS_INT:

@@ -6,6 +6,7 @@ Public API:
     lift(model_or_path, *, fold_batchnorm=False) -> torch.fx.GraphModule
         (gm.onnx_model, gm.tensor_map, gm.input_names, gm.output_names)
     check_supported(model) -> None (raises UnsupportedOpsError), load_model(model_or_path)
+    register_converter(op_type, versions, domain="") -> decorator adding/overriding an onnx2torch converter
     TensorMap, TensorRef, ModelInfo, NodeInfo, TensorInfo
 
 This package knows ONNX and torch, nothing about quantization.
@@ -13,8 +14,9 @@ This package knows ONNX and torch, nothing about quantization.
 from .normalize import normalize, normalize_with_aliases, same_pads
 from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
 from .lifter import check_supported, lift, load_model
+from .converters import register_converter
 
 __all__ = [
     "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",
-    "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo",
+    "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo", "register_converter",
 ]

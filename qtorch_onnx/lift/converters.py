@@ -68,8 +68,15 @@ def converter_for(op_type: str, opset: int, domain: str = "") -> Converter | Non
     return _registered(op_type, opset, domain)
 
 
-def _register(op_type: str, versions, domain: str = ""):
-    """Register ``converter`` for each version not yet in onnx2torch's registry; override the others."""
+def register_converter(op_type: str, versions, domain: str = ""):
+    """Decorator: use ``converter(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult`` for
+    ``op_type`` at each of ``versions`` (schema since-versions; for a custom domain, its opset version).
+
+    Versions onnx2torch does not know are added with its public ``add_converter``; versions it already
+    has go to :data:`OVERRIDES`, which :func:`~qtorch_onnx.lift.lift` applies after conversion (the
+    override must map the same ONNX inputs to module arguments as the converter it replaces, and
+    onnx2torch's own converter must not fail on the node).
+    """
 
     def deco(converter: Converter) -> Converter:
         for v in versions:
@@ -152,7 +159,7 @@ def _reduce18(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
 
 
 for _op in _REDUCE_18:
-    _register(_op, [18] + ([20] if _op in ("ReduceMax", "ReduceMin") else []))(_reduce18)
+    register_converter(_op, [18] + ([20] if _op in ("ReduceMax", "ReduceMin") else []))(_reduce18)
 
 
 class OnnxSplit18(nn.Module, OnnxToTorchModule):
@@ -171,7 +178,7 @@ class OnnxSplit18(nn.Module, OnnxToTorchModule):
         return parts if self.num_outputs > 1 else parts[0]
 
 
-@_register("Split", [18])
+@register_converter("Split", [18])
 def _split18(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     n = node.attributes.get("num_outputs", len(node.output_values))
     return OperationConverterResult(
@@ -223,7 +230,7 @@ class OnnxPad18(nn.Module, OnnxToTorchModule):
         return x
 
 
-@_register("Pad", [18, 19, 21, 23, 24, 25])
+@register_converter("Pad", [18, 19, 21, 23, 24, 25])
 def _pad18(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     mode = node.attributes.get("mode", "constant")
     if mode not in ("constant", "reflect", "edge", "wrap"):
@@ -242,7 +249,7 @@ class OnnxGelu(nn.Module, OnnxToTorchModule):
         return F.gelu(x, approximate=self.approximate)
 
 
-@_register("Gelu", [20])
+@register_converter("Gelu", [20])
 def _gelu(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     approximate = node.attributes.get("approximate", "none")
     if approximate not in ("none", "tanh"):
@@ -274,7 +281,7 @@ class OnnxCumSum(nn.Module, OnnxToTorchModule):
         return y
 
 
-@_register("CumSum", [11, 14])
+@register_converter("CumSum", [11, 14])
 def _cumsum(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     a = node.attributes
     return OperationConverterResult(
@@ -290,7 +297,7 @@ class OnnxNonZero(nn.Module, OnnxToTorchModule):
         return torch.nonzero(x).t().contiguous()
 
 
-@_register("NonZero", [9, 13])
+@register_converter("NonZero", [9, 13])
 def _nonzero(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     return OperationConverterResult(
         torch_module=OnnxNonZero(),
@@ -326,7 +333,7 @@ def _resize_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
 
 
 for _v in (18, 19):
-    _register("Resize", [_v])(_delegate("Resize", 13, _resize_guard))
+    register_converter("Resize", [_v])(_delegate("Resize", 13, _resize_guard))
 
 
 def _avgpool_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
@@ -334,7 +341,7 @@ def _avgpool_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
     return f"dilations={dil} (only 1 is supported)" if dil and any(d != 1 for d in dil) else None
 
 
-_register("AveragePool", [19])(_delegate("AveragePool", 11, _avgpool_guard))
+register_converter("AveragePool", [19])(_delegate("AveragePool", 11, _avgpool_guard))
 
 _TORCH_CASTABLE = {
     onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
@@ -352,7 +359,7 @@ def _cast_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
 
 
 for _v in (19, 21, 23, 24, 25):
-    _register("Cast", [_v])(_delegate("Cast", 13, _cast_guard))
+    register_converter("Cast", [_v])(_delegate("Cast", 13, _cast_guard))
 
 
 # ============================================================================ automatic type-only delegations

@@ -20,6 +20,7 @@ from .normalize import normalize_with_aliases
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
 
 ModelLike = Union[str, Path, onnx.ModelProto]
+_PRESERVED = "_user_preserved_attributes"  # torch.fx.graph_module's key for attributes kept by deepcopy
 
 
 def load_model(model_or_path: ModelLike) -> onnx.ModelProto:
@@ -257,9 +258,15 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
     gm.recompile()
     gm.eval()
     info = ModelInfo.from_model(normalized, modules)
-    gm.onnx_model = normalized
-    gm.tensor_map = TensorMap({k: tuple(v) for k, v in refs.items()}, info, aliases)
-    gm.input_names = tuple(input_names)
-    gm.output_names = tuple(output_names)
-    gm.lift_seconds = time.perf_counter() - t0
+    attached = {
+        "onnx_model": normalized,
+        "tensor_map": TensorMap({k: tuple(v) for k, v in refs.items()}, info, aliases),
+        "input_names": tuple(input_names),
+        "output_names": tuple(output_names),
+        "lift_seconds": time.perf_counter() - t0,
+    }
+    for key, value in attached.items():
+        setattr(gm, key, value)
+    # GraphModule.__deepcopy__ re-creates the module; it re-attaches what this meta entry lists
+    gm.meta.setdefault(_PRESERVED, {}).update(attached)
     return gm

@@ -18,8 +18,10 @@ order (each one documented at its function):
    input shapes; ONNX operator spec of Conv / ConvTranspose / MaxPool / AveragePool / LpPool).
 7. Optional (``fold_batchnorm=True``): ``BatchNormalization`` folded into the single-consumer ``Conv``
    feeding it, in float64 (see :func:`_fold_batchnorm`).
-8. Node names are made unique and non-empty (deterministic ``<op_type>_<index>`` for missing ones).
-9. Shape inference again, so every tensor has a ``value_info`` (dtype, and shape where inferable).
+8. Node names are made unique and non-empty (deterministic ``<op_type>_<index>`` for missing ones;
+   names that would collide with onnx2torch's internal keys get ``_node``).
+9. Shape inference again, so every tensor has a ``value_info`` (dtype, and shape where inferable);
+   Conv/ConvTranspose outputs of unknown rank get the weight's rank (dims unknown).
 
 Names of tensors that survive normalization are preserved; tensors that disappear (folded constants,
 bypassed ``Identity`` outputs, BatchNormalization-folded convolution outputs) are listed by
@@ -343,6 +345,32 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
         seen.add(name)
 
 
+def _complete_conv_ranks(model: onnx.ModelProto) -> None:
+    """Give Conv/ConvTranspose outputs of unknown rank the rank of their weight (dims unknown).
+
+    ONNX shape inference leaves a Conv output untyped in rank when the input's rank is unknown (e.g.
+    behind a Reshape to a computed shape); the rank is still that of W, and converters downstream
+    (BatchNormalization picks 1d/2d/3d by rank) need it.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    vis = {v.name: v for v in g.value_info}
+    for node in g.node:
+        if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        rank = len(inits[node.input[1]].dims)
+        vi = vis.get(node.output[0])
+        if vi is None:
+            vi = g.value_info.add()
+            vi.name = node.output[0]
+            vi.type.tensor_type.elem_type = inits[node.input[1]].data_type
+            vis[vi.name] = vi
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            for _ in range(rank):
+                tt.shape.dim.add()
+
+
 def _identity_aliases(graph: onnx.GraphProto) -> dict[str, str]:
     """For each standard ``Identity`` node: output -> input and input -> output (value-equal pairs)."""
     pairs: dict[str, set[str]] = {}
@@ -386,6 +414,8 @@ def normalize_with_aliases(
         _fold_batchnorm(out, aliases)
     _name_nodes(out.graph)
     del out.graph.value_info[:]
+    out = _infer(out)
+    _complete_conv_ranks(out)
     out = _infer(out)
 
     after = _all_tensor_names(out.graph)

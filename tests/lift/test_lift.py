@@ -239,3 +239,17 @@ def test_lifted_module_deepcopies_and_pickles(tmp_path):
     for a, b in zip(run_gm(gm, feeds), run_gm(clone.double().float(), feeds)):
         np.testing.assert_array_equal(a, b)
     pickle.loads(pickle.dumps(gm.tensor_map))
+
+
+def test_conv_after_unknown_rank_reshape_gets_its_rank():
+    from .helpers import I64
+
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r"]),
+             helper.make_node("Conv", ["r", "w"], ["c"], name="conv"),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")]
+    inits = {"w": _rand(3, 2, 1, 1), "g": _rand(3), "b": _rand(3), "m": _rand(3), "v": np.abs(_rand(3)) + 0.5}
+    m = make_model(nodes, [("x", F, [8, 4]), ("s", I64, ["k"])], [("y", F, None)], inits, opset=13)
+    gm = lift(m)
+    assert len(gm.tensor_map.graph.tensors["c"].shape) == 4
+    feeds = {"x": _rand(8, 4), "s": np.array([1, 2, 4, 4], np.int64)}
+    assert rel_l2(run_ort(m, feeds)[0], run_gm(gm, feeds)[0]) < 1e-6

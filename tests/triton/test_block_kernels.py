@@ -13,8 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+if not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+    try:  # triton may have been imported (by torch) before the variable was set; its knob can be cached
+        triton.knobs.runtime.interpret = True
+    except AttributeError:  # older triton reads the environment variable at decoration time
+        pass
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
