@@ -141,7 +141,8 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
     ``m = bit_width - 9`` magnitude bits.
 
     Args:
-        x: float32 or float16 tensor, any shape, any device. Never modified.
+        x: float32 or float16 tensor, any shape, any device. Never modified; the result is detached (the
+            differentiable straight-through version is in :mod:`qtorch_onnx.ops`).
         bfp_method: ``"to_bfp"``, ``"to_bfp_prime"`` or its alias ``"to_bfp_prime_shared"``.
         axis: block axis, negative allowed; ignored for rank <= 1.
         bit_width, block_size, rounding_mode, sub_block_size, sub_block_shift_bits,
@@ -162,6 +163,7 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
         bfp_method = fmt.bfp_method
     elif bfp_method == "to_bfp_prime_shared":
         bfp_method = "to_bfp_prime"
+    x = x.detach() if isinstance(x, torch.Tensor) else x  # a reference, not differentiable: see qtorch_onnx.ops
     xf, dtype = as_float32(x, "BFPQuantizeDequantize")
     ax = normalize_axis(axis, x.dim())
     if convert_to_bfloat_before_bfp:  # before the one-element rule (Quark golden: [1.0039062] -> [1.0])

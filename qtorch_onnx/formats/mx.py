@@ -133,7 +133,8 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
     ``y = X * q(x / X)`` with float32 division and product; Inf/NaN elements pass through unchanged.
 
     Args:
-        x: float32 or float16 tensor, any shape, any device. Never modified.
+        x: float32 or float16 tensor, any shape, any device. Never modified; the result is detached (the
+            differentiable straight-through version is in :mod:`qtorch_onnx.ops`).
         element_dtype: one of :data:`MX_ELEMENTS`.
         axis: block axis, negative allowed; ignored for rank <= 1.
         block_size: elements per block.
@@ -149,6 +150,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
     """
     if validate:
         validate_mx_attributes(element_dtype, block_size, rounding_mode)
+    x = x.detach() if isinstance(x, torch.Tensor) else x  # a reference, not differentiable: see qtorch_onnx.ops
     xf, dtype = as_float32(x, "MXQuantizeDequantize")
     ax = normalize_axis(axis, x.dim())
     if x.numel() <= 1:  # NUMERICS.md section 4: a one-element tensor is returned unchanged

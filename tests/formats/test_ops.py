@@ -114,3 +114,10 @@ def test_gradcheck_style_ste_is_identity_on_representable_values():
 def test_errors_at_call_time(fn, kwargs, attribute):
     with pytest.raises(ConfigError, match=attribute):
         fn(torch.zeros(2, 3, 4, requires_grad=True), **kwargs)
+
+
+def test_references_are_detached_and_ops_are_not():
+    x = torch.randn(2, 16, requires_grad=True)
+    assert not bfp_reference(x).requires_grad and not mx_reference(x).requires_grad
+    assert bfp_quantize_dequantize(x).requires_grad and mx_quantize_dequantize(x).requires_grad
+    assert x.grad is None
