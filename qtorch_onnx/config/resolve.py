@@ -59,7 +59,7 @@ from .internal import AutoMixprecisionSettings, FastFinetuneSettings, ResolvedCo
 # Feature gating: the ONE table. Flipping a flag to True is all it takes to let configurations through.
 # --------------------------------------------------------------------------------------------------------
 IMPLEMENTED: dict[str, bool] = {
-    "block_formats": False,
+    "block_formats": True,
     "fast_finetune": False,
     "auto_mixprecision": False,
     "layerwise_mixprecision": False,

@@ -9,3 +9,6 @@ from .spec import (  # noqa: F401
 )
 from . import integer  # noqa: F401
 from . import floating  # noqa: F401
+from . import block  # noqa: F401
+from . import bfp  # noqa: F401
+from . import mx  # noqa: F401
