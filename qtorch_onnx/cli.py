@@ -15,7 +15,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from . import data as _data
     from .export import export
     from .metrics import cosine_similarity, relative_l2
-    from .quantizer import calibrate, load_model, prepare
+    from .lift import load_model
+    from .quantizer import calibrate, prepare
 
     t0 = time.perf_counter()
     proto = load_model(args.input)

@@ -35,28 +35,6 @@ from .placement import Plan, QuantSpec, plan_quantization
 ModelLike = Union[str, os.PathLike, onnx.ModelProto]
 
 
-def load_model(model: ModelLike) -> onnx.ModelProto:
-    """Load an ONNX model from a path (never modified) or copy a ModelProto.
-
-    Raises:
-        ModelError: the file does not exist or is not an ONNX model.
-    """
-    if isinstance(model, onnx.ModelProto):
-        out = onnx.ModelProto()
-        out.CopyFrom(model)
-        return out
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise ModelError(f"model file {path!r} does not exist")
-    try:
-        proto = onnx.load(path)
-    except Exception as exc:  # protobuf raises DecodeError and others
-        raise ModelError(f"{path!r} is not an ONNX model: {exc}") from exc
-    if not proto.graph.node:
-        raise ModelError(f"{path!r} is not an ONNX model (no graph nodes could be read)")
-    return proto
-
-
 def resolve(config: Any) -> ResolvedConfig:
     """Accept a ResolvedConfig, a Quark ``Config`` / ``QuantizationConfig``, or a named config string."""
     if isinstance(config, ResolvedConfig):
@@ -174,7 +152,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         ModelError / UnsupportedOpsError: unreadable model or ops that cannot be lifted.
         ConfigError / UnsupportedFeatureError: invalid configuration, or a feature not implemented yet.
     """
-    from .lift import lift
+    from .lift import lift, load_model
 
     t0 = time.perf_counter()
     cfg = resolve(config)
