@@ -85,9 +85,9 @@ class FakeQuantize(nn.Module):
         #: BF16 export form: "cast" multiplies by float32(1/scale) before rounding (what the Cast form
         #: computes); "qdq" divides by the scale (ExtendedQuantizeLinear). NUMERICS.md section 3.
         self.float_form = "cast"
-        #: block formats: "reference" (the formats/ functions, any device) or "triton" (the Triton kernels on
-        #: CUDA tensors). The default stays "reference" until the kernels have been validated on a GPU.
-        self.backend = "reference"
+        #: block formats: "auto" (Triton kernels for CUDA tensors, the formats/ reference elsewhere),
+        #: "reference" or "triton" (qtorch_onnx.ops.BACKENDS); all give the same bits.
+        self.backend = "auto"
         self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
         self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)
@@ -186,19 +186,10 @@ class FakeQuantize(nn.Module):
 
         fmt = self.fmt
         axis = self.axis if self.axis is not None else (1 if x.dim() > 1 else 0)
-        if self.backend == "triton" and x.is_cuda:
-            from .triton_kernels import bfp as _tbfp, mx as _tmx
-
-            if isinstance(fmt, BFPFormat):
-                return _StraightThroughMask.apply(x, *_tbfp.bfp_quantize_dequantize_triton(
-                    x.detach(), axis=axis, return_mask=True, **_bfp_kwargs(fmt)))
-            return _StraightThroughMask.apply(x, *_tmx.mx_quantize_dequantize_triton(
-                x.detach(), axis=axis, return_mask=True, element_dtype=fmt.element_dtype,
-                block_size=fmt.block_size, rounding_mode=fmt.rounding_mode))
         if isinstance(fmt, BFPFormat):
-            return _ops.bfp_quantize_dequantize(x, axis=axis, **_bfp_kwargs(fmt))
+            return _ops.bfp_quantize_dequantize(x, axis=axis, backend=self.backend, **_bfp_kwargs(fmt))
         return _ops.mx_quantize_dequantize(x, element_dtype=fmt.element_dtype, axis=axis, block_size=fmt.block_size,
-                                           rounding_mode=fmt.rounding_mode)
+                                           rounding_mode=fmt.rounding_mode, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "quantize":
@@ -225,20 +216,6 @@ def _bfp_kwargs(fmt: BFPFormat) -> dict:
                 rounding_mode=fmt.rounding_mode, sub_block_size=fmt.sub_block_size,
                 sub_block_shift_bits=fmt.sub_block_shift_bits,
                 convert_to_bfloat_before_bfp=fmt.convert_to_bfloat_before_bfp)
-
-
-class _StraightThroughMask(torch.autograd.Function):
-    """Forward: a precomputed quantized value; backward: the gradient where ``mask`` (not saturated)."""
-
-    @staticmethod
-    def forward(ctx, x, y, mask):
-        ctx.save_for_backward(mask)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        (mask,) = ctx.saved_tensors
-        return torch.where(mask, gy, torch.zeros_like(gy)), None, None
 
 
 class ParamQuantizer(nn.Module):

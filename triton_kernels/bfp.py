@@ -102,7 +102,7 @@ def _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, jmask, BF16: tl.constexpr)
     row_off = o.to(tl.int64) * n_axis * inner + i
     offs = row_off[:, None] + a.to(tl.int64)[None, :] * inner
     valid = (rows < n_rows)[:, None] & (jmask & (a < n_axis))[None, :]
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)  # float16/bfloat16 widen exactly
     if BF16:
         x = _bf16_bits(x)
     return x, offs, valid
@@ -165,7 +165,7 @@ def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
         y = r * exp2i(k)
         y = tl.where(special, x, y)
         keep = ~(clipped & ~special)
-    tl.store(y_ptr + offs, y, mask=valid)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=valid)  # round to nearest even when narrower
     if WRITE_MASK:
         tl.store(keep_ptr + offs, keep.to(tl.int8), mask=valid)
 
@@ -180,6 +180,17 @@ def _ste_kernel(g_ptr, keep_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------- wrappers
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_input_dtype(x: torch.Tensor, op: str) -> None:
+    """Raise the reference's DataError unless ``x`` is a float32/float16/bfloat16 tensor (no copy made)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+        from qtorch_onnx.formats.block import as_float32
+
+        as_float32(x, op)  # raises with the reference's message
+
+
 def block_view(x: torch.Tensor, axis: int) -> tuple[int, int, int]:
     """``(outer, n_axis, inner)`` of a contiguous tensor seen with the block axis in the middle."""
     shape = x.shape if x.dim() else (1,)
@@ -216,11 +227,11 @@ def bfp_quantize_dequantize_triton(x: torch.Tensor, *, bfp_method: str = "to_bfp
         ConfigError / DataError: as the reference.
     """
     from qtorch_onnx.formats.bfp import bfp_reference, validate_bfp_attributes
-    from qtorch_onnx.formats.block import as_float32, normalize_axis
+    from qtorch_onnx.formats.block import normalize_axis
 
     fmt = validate_bfp_attributes(bfp_method, bit_width, block_size, rounding_mode, sub_block_size,
                                   sub_block_shift_bits, convert_to_bfloat_before_bfp)
-    xf, dtype = as_float32(x, "BFPQuantizeDequantize")
+    check_input_dtype(x, "BFPQuantizeDequantize")
     ax = normalize_axis(axis, x.dim())
     if x.numel() <= 1:
         return bfp_reference(x, bfp_method=fmt.bfp_method, axis=axis, bit_width=bit_width, block_size=block_size,
@@ -228,7 +239,7 @@ def bfp_quantize_dequantize_triton(x: torch.Tensor, *, bfp_method: str = "to_bfp
                              sub_block_shift_bits=sub_block_shift_bits,
                              convert_to_bfloat_before_bfp=convert_to_bfloat_before_bfp, return_mask=return_mask,
                              validate=False)
-    xf = xf.contiguous()
+    xf = x.contiguous()  # float16/bfloat16 are read as they are and widened in the kernel
     outer, n_axis, inner = block_view(xf, ax)
     y = torch.empty_like(xf)
     keep = torch.empty(xf.shape, dtype=torch.int8, device=xf.device) if return_mask else y
@@ -242,8 +253,6 @@ def bfp_quantize_dequantize_triton(x: torch.Tensor, *, bfp_method: str = "to_bfp
                       SHIFT_MAX=(1 << sub_block_shift_bits) - 1, BF16=bool(convert_to_bfloat_before_bfp),
                       WRITE_MASK=return_mask, BLOCK_SIZE=block_size, BS=triton.next_power_of_2(block_size),
                       ROWS=rows)
-    if dtype != torch.float32:
-        y = y.to(dtype)
     return (y, keep.bool()) if return_mask else y
 
 

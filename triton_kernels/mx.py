@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 try:  # installed as qtorch_onnx.triton_kernels, or imported from the repository root as triton_kernels
-    from .bfp import row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from .bfp import check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 except ImportError:  # pragma: no cover
-    from bfp import row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from bfp import check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 
 __all__ = ["mx_quantize_dequantize_triton"]
 
@@ -54,7 +54,7 @@ def _mx_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
         q = tl.where(qm == 0, 0.0, q)  # every zero result is +0.0
     y = q * exp2i(ks)
     y = tl.where(special, x, y)
-    tl.store(y_ptr + offs, y, mask=valid)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=valid)  # round to nearest even when narrower
     if WRITE_MASK:
         tl.store(keep_ptr + offs, (~(clipped & ~special)).to(tl.int8), mask=valid)
 
@@ -74,17 +74,17 @@ def mx_quantize_dequantize_triton(x: torch.Tensor, *, element_dtype: str = "int8
     Raises:
         ConfigError / DataError: as the reference.
     """
-    from qtorch_onnx.formats.block import as_float32, normalize_axis
+    from qtorch_onnx.formats.block import normalize_axis
     from qtorch_onnx.formats.mx import MX_ELEMENTS, mx_reference, validate_mx_attributes
 
     validate_mx_attributes(element_dtype, block_size, rounding_mode)
-    xf, dtype = as_float32(x, "MXQuantizeDequantize")
+    check_input_dtype(x, "MXQuantizeDequantize")
     ax = normalize_axis(axis, x.dim())
     if x.numel() <= 1:
         return mx_reference(x, element_dtype=element_dtype, axis=axis, block_size=block_size,
                             rounding_mode=rounding_mode, return_mask=return_mask, validate=False)
     elem = MX_ELEMENTS[element_dtype]
-    xf = xf.contiguous()
+    xf = x.contiguous()  # float16/bfloat16 are read as they are and widened in the kernel
     outer, n_axis, inner = block_view(xf, ax)
     y = torch.empty_like(xf)
     keep = torch.empty(xf.shape, dtype=torch.int8, device=xf.device) if return_mask else y
@@ -96,6 +96,4 @@ def mx_quantize_dequantize_triton(x: torch.Tensor, *, element_dtype: str = "int8
         IS_INT=elem.is_int, MBITS=elem.mbits, EMIN=1 - elem.bias, EMAX=elem.emax, MAX_NORM=float(elem.max_norm),
         MODE=rounding_mode if rounding_mode in (0, 1, 2) else 0, WRITE_MASK=return_mask,
         BLOCK_SIZE=block_size, BS=triton.next_power_of_2(block_size), ROWS=rows)
-    if dtype != torch.float32:
-        y = y.to(dtype)
     return (y, keep.bool()) if return_mask else y

@@ -141,7 +141,7 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
     ``m = bit_width - 9`` magnitude bits.
 
     Args:
-        x: float32 or float16 tensor, any shape, any device. Never modified; the result is detached (the
+        x: float32, float16 or bfloat16 (torch only) tensor, any shape, any device. Never modified; the result is detached (the
             differentiable straight-through version is in :mod:`qtorch_onnx.ops`).
         bfp_method: ``"to_bfp"``, ``"to_bfp_prime"`` or its alias ``"to_bfp_prime_shared"``.
         axis: block axis, negative allowed; ignored for rank <= 1.
@@ -155,7 +155,7 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
         element (BFP clamp to ``(2^m-1)*step``; prime: a round-up suppressed at ``q = 2^m-1``).
     Raises:
         ConfigError: invalid attribute (see :func:`validate_bfp_attributes`) or ``axis`` out of range.
-        DataError: ``x`` not a float32/float16 tensor.
+        DataError: ``x`` not a float32/float16/bfloat16 tensor.
     """
     if validate:
         fmt = validate_bfp_attributes(bfp_method, bit_width, block_size, rounding_mode, sub_block_size,

@@ -149,16 +149,25 @@ def to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor
 
 
 def as_float32(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype]:
-    """Check the input dtype of a block operator and widen float16 to float32 (NUMERICS.md section 4).
+    """Check the input dtype of a block operator and widen float16 / bfloat16 to float32 (NUMERICS.md
+    section 4: a float16 input is computed in float32 and the result rounded back to float16).
 
+    bfloat16 is accepted for torch-side use (training in bf16) with the same rule; the ONNX operators
+    themselves take float32 and float16 only. The payload of a NaN result in bfloat16 is unspecified (torch's
+    CPU cast writes 0xFFFF, a GPU's ``cvt.rn.bf16.f32`` 0x7FFF): bfloat16 NaNs compare as NaNs.
+
+    Returns:
+        ``(x as float32, original dtype)``; ``x`` itself when it is float32 already (never modified).
     Raises:
-        DataError: ``x`` is not a tensor, or neither float32 nor float16 (names the operator and the valid
+        DataError: ``x`` is not a tensor, or not float32/float16/bfloat16 (names the operator and the valid
             dtypes).
     """
     if not isinstance(x, torch.Tensor):
         raise DataError(f"{op}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype == torch.float32:
         return x, x.dtype
-    if x.dtype == torch.float16:
+    if x.dtype in (torch.float16, torch.bfloat16):
         return x.to(torch.float32), x.dtype
-    raise DataError(f"{op}: input dtype {x.dtype} is not supported; valid: torch.float32, torch.float16")
+    raise DataError(f"{op}: input dtype {x.dtype} is not supported; valid: torch.float32, torch.float16, "
+                    "torch.bfloat16")
+

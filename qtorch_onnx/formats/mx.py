@@ -133,7 +133,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
     ``y = X * q(x / X)`` with float32 division and product; Inf/NaN elements pass through unchanged.
 
     Args:
-        x: float32 or float16 tensor, any shape, any device. Never modified; the result is detached (the
+        x: float32, float16 or bfloat16 (torch only) tensor, any shape, any device. Never modified; the result is detached (the
             differentiable straight-through version is in :mod:`qtorch_onnx.ops`).
         element_dtype: one of :data:`MX_ELEMENTS`.
         axis: block axis, negative allowed; ignored for rank <= 1.
@@ -146,7 +146,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
         the element saturated (clamp to max_norm / int8 range changed the rounded value).
     Raises:
         ConfigError: invalid attribute or ``axis`` out of range.
-        DataError: ``x`` not a float32/float16 tensor.
+        DataError: ``x`` not a float32/float16/bfloat16 tensor.
     """
     if validate:
         validate_mx_attributes(element_dtype, block_size, rounding_mode)

@@ -5,6 +5,7 @@ import torch
 from qtorch_onnx.errors import ConfigError
 from qtorch_onnx.formats.bfp import bfp_reference
 from qtorch_onnx.formats.mx import mx_reference
+from qtorch_onnx import ops
 from qtorch_onnx.ops import bfp_quantize_dequantize, mx_quantize_dequantize
 
 
@@ -121,3 +122,17 @@ def test_references_are_detached_and_ops_are_not():
     assert not bfp_reference(x).requires_grad and not mx_reference(x).requires_grad
     assert bfp_quantize_dequantize(x).requires_grad and mx_quantize_dequantize(x).requires_grad
     assert x.grad is None
+
+
+def test_backend_argument_is_validated(monkeypatch):
+    from qtorch_onnx.errors import ConfigError, UnsupportedFeatureError
+
+    x = torch.randn(2, 16)
+    with pytest.raises(ConfigError, match="backend 'cuda'.*valid"):
+        ops.bfp_quantize_dequantize(x, backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UnsupportedFeatureError, match="CUDA tensor"):
+        ops.mx_quantize_dequantize(x, backend="triton")
+    # "auto" on a CPU tensor is the reference, bit for bit
+    assert torch.equal(ops.mx_quantize_dequantize(x, backend="auto").view(torch.int32),
+                       ops.mx_quantize_dequantize(x, backend="reference").view(torch.int32))
