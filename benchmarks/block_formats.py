@@ -1,11 +1,16 @@
-"""Throughput of the block-format quantize-dequantize: torch reference (and Triton on CUDA) against a plain
-memory copy measured in the same run.
+"""Throughput of the block-format quantize-dequantize, against a plain memory copy measured in the same run.
 
-    python benchmarks/block_formats.py --sizes-mb 1 16 64           # CPU: reference vs copy
-    python benchmarks/block_formats.py --device cuda --sizes-mb 64 1024 --triton
+Per family (BFP, BFP-prime/MX, MX integer, MX float elements) and tensor size, forward and forward+backward:
+  * the torch reference (``qtorch_onnx.formats``, ``backend="reference"``),
+  * ``torch.compile`` of the same reference (``--compile``),
+  * the Triton kernels (``backend="triton"``; CUDA only),
+in GB/s (bytes read + written by the forward: 2 x tensor bytes; forward+backward counts 4 x tensor bytes plus
+the one-byte mask written and read) and as a fraction of ``x.clone()`` bandwidth on the same device.
 
-Prints GB/s (bytes read + written) and the fraction of copy bandwidth, per family, forward and
-forward+backward, plus the device.
+    python benchmarks/block_formats.py                                   # CPU: reference (+compile) vs copy
+    python benchmarks/block_formats.py --device cuda --sizes-mb 1 64 256 1024 --compile --plot gpu.png
+
+Prints the device first. Results are recorded in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -18,56 +23,122 @@ import torch
 from qtorch_onnx import ops
 
 FAMILIES = {
-    "BFP16": dict(kind="bfp", kw=dict(bfp_method="to_bfp", bit_width=16, block_size=8, rounding_mode=2)),
-    "MX6": dict(kind="bfp", kw=dict(bfp_method="to_bfp_prime", bit_width=13, block_size=16, rounding_mode=2)),
-    "MXINT8": dict(kind="mx", kw=dict(element_dtype="int8", block_size=32, rounding_mode=2)),
-    "MXFP4": dict(kind="mx", kw=dict(element_dtype="fp4_e2m1", block_size=32)),
+    "BFP16": (ops.bfp_quantize_dequantize, dict(bfp_method="to_bfp", bit_width=16, block_size=8, rounding_mode=2)),
+    "MX6": (ops.bfp_quantize_dequantize, dict(bfp_method="to_bfp_prime", bit_width=13, block_size=16, rounding_mode=2)),
+    "MXINT8": (ops.mx_quantize_dequantize, dict(element_dtype="int8", block_size=32, rounding_mode=2)),
+    "MXFP4": (ops.mx_quantize_dequantize, dict(element_dtype="fp4_e2m1", block_size=32)),
 }
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _time(fn, device, reps):
+    """Seconds per call (median of ``reps`` after one warm-up call)."""
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    _sync(device)
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def _fwd_bwd(fn, x, kw, backend):
+    xr = x.detach().requires_grad_(True)
+    g = torch.ones_like(x)
+
+    def run():
+        y = fn(xr, axis=1, backend=backend, **kw)
+        y.backward(g)
+        xr.grad = None
+
+    return run
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--triton", action="store_true", help="also time the Triton kernels (CUDA only)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels on CUDA")
+    p.add_argument("--plot", help="write a PNG of forward GB/s against size")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'cpu'} x{torch.get_num_threads()} threads"
-    print(f"device: {name}; torch {torch.__version__}")
-    print(f"{'family':<8} {'MB':>6} {'copy GB/s':>10} {'ref fwd GB/s':>13} {'ref/copy':>9} {'ref fwd+bwd GB/s':>17}"
-          + (f" {'triton GB/s':>12} {'triton/copy':>12}" if args.triton else ""))
+    dtype = getattr(torch, args.dtype)
+    triton_on = device.type == "cuda" and not args.no_triton
+    print(f"device: {_device_name(device)}; torch {torch.__version__}; dtype {args.dtype}")
+    cols = ["family", "MB", "copy GB/s", "ref fwd", "ref/copy", "ref f+b"]
+    if args.compile:
+        cols += ["compiled fwd", "compiled/copy"]
+    if triton_on:
+        cols += ["triton fwd", "triton/copy", "triton f+b", "f+b/copy"]
+    print(" | ".join(cols))
+    rows = []
+    esize = torch.finfo(dtype).bits // 8
     for mb in args.sizes_mb:
-        n = int(mb * 2**20 / 4) // 4096 * 4096
-        x = torch.randn(n // 4096, 4096, device=device)
-        nbytes = 2 * x.numel() * 4
+        n = max(4096, int(mb * 2**20 / esize) // 4096 * 4096)
+        x = torch.randn(n // 4096, 4096, device=device).to(dtype)
+        fwd_bytes = 2 * x.numel() * esize
+        fb_bytes = 4 * x.numel() * esize + 2 * x.numel()
         t_copy = _time(lambda: x.clone(), device, args.reps)
-        for fam, spec in FAMILIES.items():
-            fn = ops.bfp_quantize_dequantize if spec["kind"] == "bfp" else ops.mx_quantize_dequantize
-            t_f = _time(lambda: fn(x, axis=1, **spec["kw"]), device, args.reps)
-            xr = x.clone().requires_grad_(True)
-            t_fb = _time(lambda: fn(xr, axis=1, **spec["kw"]).backward(torch.ones_like(xr)), device, args.reps)
-            line = (f"{fam:<8} {mb:>6.0f} {nbytes / t_copy / 1e9:>10.2f} {nbytes / t_f / 1e9:>13.2f} "
-                    f"{t_copy / t_f:>9.3f} {nbytes / t_fb / 1e9:>17.2f}")
-            if args.triton and device.type == "cuda":
-                from qtorch_onnx.triton_kernels import bfp as tb, mx as tm
+        copy_bw = fwd_bytes / t_copy / 1e9
+        for fam in args.families:
+            fn, kw = FAMILIES[fam]
+            rec = dict(family=fam, mb=mb, copy=copy_bw)
+            t = _time(lambda: fn(x, axis=1, backend="reference", **kw), device, args.reps)
+            rec["ref"] = fwd_bytes / t / 1e9
+            rec["ref_fb"] = fb_bytes / _time(_fwd_bwd(fn, x, kw, "reference"), device, args.reps) / 1e9
+            line = [fam, f"{mb:g}", f"{copy_bw:.1f}", f"{rec['ref']:.2f}", f"{rec['ref'] / copy_bw:.3f}",
+                    f"{rec['ref_fb']:.2f}"]
+            if args.compile:
+                torch._dynamo.reset()
+                cfn = torch.compile(lambda x_: fn(x_, axis=1, backend="reference", **kw), dynamic=False)
+                rec["compiled"] = fwd_bytes / _time(lambda: cfn(x), device, args.reps) / 1e9
+                line += [f"{rec['compiled']:.2f}", f"{rec['compiled'] / copy_bw:.3f}"]
+            if triton_on:
+                rec["triton"] = fwd_bytes / _time(lambda: fn(x, axis=1, backend="triton", **kw), device, args.reps) / 1e9
+                rec["triton_fb"] = fb_bytes / _time(_fwd_bwd(fn, x, kw, "triton"), device, args.reps) / 1e9
+                line += [f"{rec['triton']:.1f}", f"{rec['triton'] / copy_bw:.3f}", f"{rec['triton_fb']:.1f}",
+                         f"{rec['triton_fb'] / copy_bw:.3f}"]
+            rows.append(rec)
+            print(" | ".join(line), flush=True)
+        del x
+    if args.plot:
+        import matplotlib
 
-                tfn = tb.bfp_quantize_dequantize_triton if spec["kind"] == "bfp" else tm.mx_quantize_dequantize_triton
-                t_t = _time(lambda: tfn(x, axis=1, **spec["kw"]), device, args.reps)
-                line += f" {nbytes / t_t / 1e9:>12.2f} {t_copy / t_t:>12.3f}"
-            print(line, flush=True)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        sizes = sorted({r["mb"] for r in rows})
+        ax.plot(sizes, [next(r["copy"] for r in rows if r["mb"] == s) for s in sizes], "k--", label="copy")
+        for fam in args.families:
+            rs = [r for r in rows if r["family"] == fam]
+            for key, style in (("ref", ":"), ("compiled", "-."), ("triton", "-")):
+                if key in rs[0]:
+                    ax.plot([r["mb"] for r in rs], [r[key] for r in rs], style, marker="o", label=f"{fam} {key}")
+        ax.set_xscale("log")
+        ax.set_xlabel("tensor size (MB)")
+        ax.set_ylabel("forward GB/s")
+        ax.set_title(f"block quantize-dequantize, {_device_name(device)}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

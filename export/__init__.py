@@ -7,11 +7,20 @@ on the quantized tensors and the current (possibly finetuned) weights:
   model's opset is below 21 and a 16-bit type is used, or below 13 and an axis is needed);
 * integer weights: quantized initializer -> ``DequantizeLinear`` (per tensor or per channel);
 * INT32 bias: int32 initializer -> ``DequantizeLinear``;
-* BF16 / FP16: the Cast form ``[Mul(1/scale)] -> [Clip] -> Cast(to=BFLOAT16|FLOAT16) -> Cast(to=FLOAT) ->
-  [Mul(scale)]``; weights are stored in the 16-bit type and Cast back to float.
+* INT32 / UINT32 activations: ``com.amd.quark::ExtendedQuantizeLinear -> ExtendedDequantizeLinear`` (the
+  zero point's dtype selects the type);
+* BF16 / FP16, Q/DQ form (``FakeQuantize.float_form == "qdq"``, Quark's default): ExtendedQuantizeLinear ->
+  ExtendedDequantizeLinear with a bfloat16 / float16 zero point (weights: the 16-bit initializer ->
+  ExtendedDequantizeLinear);
+* BF16 / FP16, Cast form (``BF16QDQToCast``, and scaled FP16): ``[Mul(1/scale)] -> [Clip] ->
+  Cast(to=BFLOAT16|FLOAT16) -> Cast(to=FLOAT) -> [Mul(scale)]``; weights are stored in the 16-bit type and
+  Cast back to float;
+* BFP / BFP-prime (BFP16, MX4/MX6/MX9): ``com.amd.quark::BFPQuantizeDequantize``; OCP MX (MXINT8, MXFP8/6/4):
+  ``com.amd.quark::MXQuantizeDequantize``; on weights the float initializer stays and feeds the node (the
+  formats have no storage type in ONNX), as Quark writes them.
 
-Formats that need the custom operator library (INT32/UINT32 activations, BFP, MX, the Q/DQ form of BF16)
-raise :class:`~qtorch_onnx.errors.ExportError` naming the tensor until that library exists.
+The ``com.amd.quark`` nodes run in ONNX Runtime with the project's operator library
+(:func:`qtorch_onnx.get_library_path`) or Quark's.
 
 The producer's output of a quantized activation ``T`` is renamed ``T_QuantizeInput``; the DequantizeLinear
 (or last node of the Cast form) writes ``T`` again, so consumers, graph outputs and value_info keep their
@@ -35,7 +44,10 @@ from qtorch_onnx.formats import floating as _floating
 from qtorch_onnx.formats import integer as _integer
 from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
 
-__all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "safe_name"]
+__all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "safe_name", "QUARK_DOMAIN"]
+
+#: custom operator domain of Quark 0.13 and of this project's operator library (OPS.md)
+QUARK_DOMAIN = "com.amd.quark"
 
 _INT_ONNX = {
     (8, True): TensorProto.INT8, (8, False): TensorProto.UINT8, (16, True): TensorProto.INT16,
@@ -150,13 +162,6 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         fmt = fq.fmt
         if not fq.calibrated:
             raise ExportError(f"quantizer on tensor {tensor!r} is not calibrated: run calibrate() before export")
-        if isinstance(fmt, (BFPFormat, MXFormat)):
-            raise ExportError(
-                f"tensor {tensor!r}: exporting {fmt.name} needs the BFPQuantizeDequantize/MXQuantizeDequantize "
-                "operator library, which this version does not have yet")
-        if isinstance(fmt, IntFormat) and fq.role == "activation" and fmt.bits == 32:
-            raise ExportError(f"tensor {tensor!r}: INT32/UINT32 activations need ExtendedQuantizeLinear from the "
-                              "operator library, which this version does not have yet")
         base = safe_name(tensor)
         is_init = tensor in inits
         if is_init:
@@ -202,6 +207,8 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
             raise ExportError(f"graph input {o.name!r} is also a graph output; quantizing it is not supported")
     del graph.node[:]
     graph.node.extend(ordered)
+    if any(n.domain == QUARK_DOMAIN for n in ordered) and not any(o.domain == QUARK_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(QUARK_DOMAIN, 1))
     if check:
         try:
             onnx.checker.check_model(model, full_check=True)
@@ -229,17 +236,65 @@ def _axis_attrs(fq: FakeQuantize) -> dict:
     return {"axis": int(fq.onnx_axis)} if fq.scale.dim() > 0 and fq.onnx_axis is not None else {}
 
 
+def _block_node(base: str, src: str, out: str, fq: FakeQuantize) -> onnx.NodeProto:
+    """``BFPQuantizeDequantize`` / ``MXQuantizeDequantize`` with every attribute written out (OPS.md)."""
+    fmt = fq.fmt
+    axis = {} if fq.onnx_axis is None else {"axis": int(fq.onnx_axis)}
+    if isinstance(fmt, BFPFormat):
+        attrs = dict(bfp_method=fmt.bfp_method, bit_width=fmt.bit_width, block_size=fmt.block_size,
+                     rounding_mode=fmt.rounding_mode,
+                     convert_to_bfloat_before_bfp=int(fmt.convert_to_bfloat_before_bfp))
+        if fmt.bfp_method == "to_bfp_prime":
+            attrs.update(sub_block_size=fmt.sub_block_size, sub_block_shift_bits=fmt.sub_block_shift_bits)
+        return helper.make_node("BFPQuantizeDequantize", [src], [out], name=f"{base}_BFPQuantizeDequantize",
+                                domain=QUARK_DOMAIN, **attrs, **axis)
+    return helper.make_node("MXQuantizeDequantize", [src], [out], name=f"{base}_MXQuantizeDequantize",
+                            domain=QUARK_DOMAIN, element_dtype=fmt.element_dtype, block_size=fmt.block_size,
+                            rounding_mode=fmt.rounding_mode, **axis)
+
+
+def _uses_extended(fq: FakeQuantize) -> bool:
+    """Formats written as com.amd.quark ExtendedQuantizeLinear/ExtendedDequantizeLinear."""
+    fmt = fq.fmt
+    if isinstance(fmt, IntFormat):
+        return fmt.bits == 32 and fq.role == "activation"
+    return isinstance(fmt, FloatFormat) and fq.float_form == "qdq"
+
+
+def _extended_qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProto], str, str]:
+    """Scale (float32) and zero point (the target type: int32/uint32, bfloat16 or float16 +0.0)."""
+    fmt = fq.fmt
+    if isinstance(fmt, IntFormat):
+        return _qparam_inits(base, fq)
+    scale = fq.scale.detach().cpu().numpy().astype(np.float32)
+    s_name, z_name = f"{base}_scale", f"{base}_zero_point"
+    if fmt.kind == "BF16":
+        import ml_dtypes
+
+        zp = np.zeros(scale.shape, dtype=ml_dtypes.bfloat16)
+    else:
+        zp = np.zeros(scale.shape, dtype=np.float16)
+    return [numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)], s_name, z_name
+
+
 def _activation_nodes(tensor, base, src, out, fq: FakeQuantize, qdomain):
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, src, out)
-    if isinstance(fmt, IntFormat):
-        inits, s, z = _qparam_inits(base, fq)
-        qname, dqname = f"{base}_QuantizeLinear", f"{base}_DequantizeLinear"
+    if isinstance(fmt, (BFPFormat, MXFormat)):
+        node = _block_node(base, src, out, fq)
+        qn.nodes = [node.name]
+        return [node], [], qn
+    if isinstance(fmt, IntFormat) or _uses_extended(fq):
+        ext = _uses_extended(fq)
+        inits, s, z = _extended_qparam_inits(base, fq) if ext else _qparam_inits(base, fq)
+        q_op, dq_op = ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear") if ext else ("QuantizeLinear", "DequantizeLinear")
+        domain = QUARK_DOMAIN if ext else qdomain
+        qname, dqname = f"{base}_{q_op}", f"{base}_{dq_op}"
         nodes = [
-            helper.make_node("QuantizeLinear", [src, s, z], [f"{base}_QuantizeLinear_Output"], name=qname,
-                             domain=qdomain, **_axis_attrs(fq)),
-            helper.make_node("DequantizeLinear", [f"{base}_QuantizeLinear_Output", s, z], [out], name=dqname,
-                             domain=qdomain, **_axis_attrs(fq)),
+            helper.make_node(q_op, [src, s, z], [f"{base}_{q_op}_Output"], name=qname, domain=domain,
+                             **_axis_attrs(fq)),
+            helper.make_node(dq_op, [f"{base}_{q_op}_Output", s, z], [out], name=dqname, domain=domain,
+                             **_axis_attrs(fq)),
         ]
         qn.nodes = [qname, dqname]
         qn.initializers = [s, z]
@@ -282,6 +337,28 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
     x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+    if isinstance(fmt, (BFPFormat, MXFormat)):
+        qn.input = f"{base}_float"
+        node = _block_node(base, qn.input, tensor, fq)
+        qn.nodes = [node.name]
+        qn.initializers = [qn.input]
+        return [node], [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), qn.input)], qn
+    if isinstance(fmt, FloatFormat) and fq.float_form == "qdq":
+        inits, s, z = _extended_qparam_inits(base, fq)
+        axis = fq.onnx_axis if fq.scale.dim() > 0 else None  # the initializer is in ONNX layout
+        if fmt.kind == "BF16":
+            import ml_dtypes
+
+            q = _floating.bf16_quantize(x, fq.scale.detach().cpu(), None, axis)
+            stored = q.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            stored = _floating.fp16_quantize(x).numpy()
+        inits.insert(0, numpy_helper.from_array(np.ascontiguousarray(stored), f"{base}_quantized"))
+        dq = helper.make_node("ExtendedDequantizeLinear", [f"{base}_quantized", s, z], [tensor],
+                              name=f"{base}_ExtendedDequantizeLinear", domain=QUARK_DOMAIN, **_axis_attrs(fq))
+        qn.nodes = [dq.name]
+        qn.initializers = [i.name for i in inits]
+        return [dq], inits, qn
     if isinstance(fmt, IntFormat):
         axis = fq.onnx_axis if fq.scale.dim() > 0 else None
         scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()

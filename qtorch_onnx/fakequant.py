@@ -82,9 +82,10 @@ class FakeQuantize(nn.Module):
         self.scaled = scaled
         self.power_of_two = power_of_two
         self.mode = "float"
-        #: BF16 export form: "cast" multiplies by float32(1/scale) before rounding (what the Cast form
-        #: computes); "qdq" divides by the scale (ExtendedQuantizeLinear). NUMERICS.md section 3.
-        self.float_form = "cast"
+        #: BF16/FP16 export form (NUMERICS.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
+        #: ExtendedDequantizeLinear, dividing by the scale) or "cast" (BF16QDQToCast: Mul by float32(1/scale)
+        #: -> Cast -> Cast -> Mul by the scale). prepare() sets it from the configuration.
+        self.float_form = "qdq" if isinstance(fmt, FloatFormat) and not scaled else "cast"
         #: block formats: "auto" (Triton kernels for CUDA tensors, the formats/ reference elsewhere),
         #: "reference" or "triton" (qtorch_onnx.ops.BACKENDS); all give the same bits.
         self.backend = "auto"
@@ -129,6 +130,8 @@ class FakeQuantize(nn.Module):
             else:
                 scale, zp = _integer.qparams_from_range(rmin, rmax, self.fmt, self.symmetric)
             self.set_qparams(scale, zp)
+        elif isinstance(self.fmt, FloatFormat) and not self.scaled:
+            self.calibrated = True  # plain BF16/FP16 rounding: scale 1, nothing to compute
         elif isinstance(self.fmt, FloatFormat):
             a = torch.maximum(torch.as_tensor(rmin, dtype=torch.float64).abs(), torch.as_tensor(rmax, dtype=torch.float64).abs())
             scale = (a / 2).to(torch.float32)
@@ -159,17 +162,29 @@ class FakeQuantize(nn.Module):
                 with torch.no_grad():
                     q = _integer.quantize_bias(x, self.scale)
                     y = _integer.dequantize(q, self.scale, None, axis=self.axis if per_channel else None)
-                return x + (y - x).detach()
+                    lo, hi = _integer.quant_range(fmt)
+                    mask = (q > lo) & (q < hi)  # saturated elements get no gradient
+                return _floating.straight_through(x, y, mask)
             return _integer.fake_quantize_ste(
                 x, self.scale, self.zero_point, fmt, axis=self.axis if per_channel else None,
                 narrow_range=self.narrow_range,
             )
         if isinstance(fmt, FloatFormat):
+            unit = self.scale.numel() == 1 and float(self.scale) == 1.0
+            if self.float_form == "qdq":
+                if fmt.kind == "BF16":  # ExtendedQuantizeLinear/ExtendedDequantizeLinear, zero point +0.0
+                    return _floating.scaled_bf16_ste(x, self.scale, form="qdq",
+                                                     axis=self.axis if self.scale.dim() > 0 else None)
+                if not unit:
+                    raise UnsupportedFeatureError(
+                        f"quantizer on {self.tensor_name!r}: the FP16 Q/DQ form ignores the scale (Quark's "
+                        "ExtendedQuantizeLinear); a scaled FP16 quantizer needs float_form='cast'")
+                return _floating.fp16_round_ste(x)
             if self.float_form != "cast":
-                raise UnsupportedFeatureError(
-                    f"quantizer on {self.tensor_name!r}: the Q/DQ form of {fmt.name} needs the operator library")
+                raise ConfigError(f"quantizer on {self.tensor_name!r}: float_form {self.float_form!r}; "
+                                  "valid: 'qdq', 'cast'")
             rnd = _floating.bf16_round_ste if fmt.kind == "BF16" else _floating.fp16_round_ste
-            if self.scale.numel() == 1 and float(self.scale) == 1.0:
+            if unit:
                 return rnd(x)
             # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (NUMERICS.md section 3)
             inv = torch.ones_like(self.scale) / self.scale if self.scale.dim() == 0 else None

@@ -186,6 +186,11 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
                           symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled,
                           power_of_two=cfg.power_of_two and isinstance(spec.fmt, IntFormat))
+        if isinstance(spec.fmt, FloatFormat):
+            # BF16: Q/DQ form unless BF16QDQToCast; FP16: Q/DQ form unless scaled (Quark's FP16 Q/DQ
+            # ignores the scale, so a scaled FP16 quantizer is written in the Cast form)
+            cast = cfg.bf16_qdq_to_cast if spec.fmt.kind == "BF16" else spec.scaled
+            fq.float_form = "cast" if cast else "qdq"
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)

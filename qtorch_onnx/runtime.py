@@ -16,20 +16,48 @@ OPT_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT
 
 
 def get_library_path(device: str = "CPU") -> str:
-    """Path of the project's ONNX Runtime custom-operator library (``com.amd.quark`` operators).
+    """Path of the project's ONNX Runtime custom-operator library (OPS.md: ``com.amd.quark`` operators
+    BFPQuantizeDequantize, MXQuantizeDequantize, ExtendedQuantizeLinear, ExtendedDequantizeLinear, and the
+    ``com.vai.quantize`` aliases), built from its C++ sources on first use and cached
+    (``$QTORCH_ONNX_CACHE/ort_ops/<hash>/``, default ``~/.cache/qtorch_onnx/ort_ops/<hash>/``; see
+    :mod:`qtorch_onnx.export.ort_ops.build`).
 
+    Register it with ``so = onnxruntime.SessionOptions(); so.register_custom_ops_library(get_library_path())``;
+    the library itself needs neither torch nor Python.
+
+    Args:
+        device: ``"CPU"`` (case-insensitive), the only kernels this version builds.
+    Returns:
+        Absolute path of the shared library (``.so`` / ``.dylib`` / ``.dll``).
     Raises:
-        UnsupportedFeatureError: always in this version: the C++ operator library (BFPQuantizeDequantize,
-            MXQuantizeDequantize, ExtendedQuantizeLinear/DequantizeLinear) is not built yet. Models exported
-            with integer Q/DQ or the BF16/FP16 Cast form need no library.
+        UnsupportedFeatureError: ``device`` is not ``"CPU"``; or (as its subclass
+            ``qtorch_onnx.export.ort_ops.build.LibraryBuildError``) the library cannot be built here: CMake or
+            a C++17 compiler is missing, the ONNX Runtime headers cannot be downloaded or fail their checksum,
+            or compilation fails. The message names the step and what to install.
     """
-    raise UnsupportedFeatureError(
-        f"get_library_path({device!r}): the com.amd.quark ONNX Runtime operator library is not part of this "
-        "version yet; integer Q/DQ and Cast-form BF16/FP16 models run in plain ONNX Runtime without it")
+    if not isinstance(device, str) or device.upper() != "CPU":
+        raise UnsupportedFeatureError(
+            f"get_library_path({device!r}): this version builds CPU kernels only; valid: device='CPU'")
+    from qtorch_onnx.export.ort_ops.build import library_path
+
+    return library_path()
+
+
+#: custom domains served by the operator library (OPS.md)
+CUSTOM_DOMAINS = ("com.amd.quark", "com.vai.quantize")
+
+
+def uses_custom_ops(model: onnx.ModelProto) -> bool:
+    """True when ``model``'s main graph has a node of a domain the operator library serves."""
+    return any(n.domain in CUSTOM_DOMAINS for n in model.graph.node)
 
 
 def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threads: int = 0):
-    """An ``onnxruntime.InferenceSession`` on CPU for ``model`` at the given graph optimization level."""
+    """An ``onnxruntime.InferenceSession`` on CPU for ``model`` at the given graph optimization level.
+
+    The project's operator library is registered when the model has ``com.amd.quark`` / ``com.vai.quantize``
+    nodes (built on first use, see :func:`get_library_path`).
+    """
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -37,6 +65,8 @@ def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threa
     if threads:
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    if uses_custom_ops(model):
+        so.register_custom_ops_library(get_library_path())
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

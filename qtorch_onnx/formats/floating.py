@@ -246,6 +246,12 @@ class _PassThrough(torch.autograd.Function):
         return torch.where(mask, gy, torch.zeros_like(gy)).to(ctx.in_dtype), None, None
 
 
+def straight_through(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Return ``y`` exactly (same bits, unlike ``x + (y - x).detach()``, which rounds) with the straight-through
+    gradient ``dL/dx = dL/dy`` where ``mask`` (bool, ``x``'s shape) and 0 elsewhere (NUMERICS.md section 8)."""
+    return _PassThrough.apply(x, y, mask)
+
+
 def bf16_round_ste(x: torch.Tensor) -> torch.Tensor:
     """:func:`bf16_round` with a straight-through gradient of 1 everywhere (BF16 never saturates: overflow is
     Inf; NUMERICS.md section 8)."""

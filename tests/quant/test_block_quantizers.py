@@ -1,4 +1,5 @@
-"""Block formats (BFP16, MX4/6/9, OCP MX) as quantizers in the pipeline: emulation, gradients, export error."""
+"""Block formats (BFP16, MX4/6/9, OCP MX) as quantizers in the pipeline: emulation, gradients, export to
+BFPQuantizeDequantize / MXQuantizeDequantize nodes bit-exact in ONNX Runtime with the operator library."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,38 @@ def test_named_block_configs_emulate(name):
     assert cos > 0.5, (name, float(cos))
     if name == "MX9":
         assert cos > 0.999
-    with pytest.raises(qo.ExportError, match="operator library"):
-        qo.export(qm.set_mode("quantize"), None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_named_block_configs_export_bit_exact(name):
+    """Every quantizer node gives the emulation's bits in ONNX Runtime (operator library), and the outputs
+    agree: >= 99% identical, the rest within one step of the last quantizer."""
+    import onnx
+
+    from qtorch_onnx.data import to_samples
+    from qtorch_onnx.runtime import check_parity
+
+    qm = qo.prepare(cnn(), name)
+    if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
+        qo.calibrate(qm, calib_data(2), progress=False)
+    else:
+        qm.set_mode("quantize")
+    exported, qmap = qo.export(qm, None, return_map=True)
+    onnx.checker.check_model(exported, full_check=True)
+    ops_used = {(n.domain, n.op_type) for n in exported.graph.node}
+    fmts = {fq.fmt.name for fq in qm.quantizers().values()}
+    if any(f.startswith(("BFP", "MX4", "MX6", "MX9")) for f in fmts):
+        assert ("com.amd.quark", "BFPQuantizeDequantize") in ops_used
+    if any(f.startswith(("MXINT", "MXFP")) for f in fmts):
+        assert ("com.amd.quark", "MXQuantizeDequantize") in ops_used
+    samples = to_samples(calib_data(3, seed=7), qm.input_specs)
+    rep = check_parity(qm, exported, qmap, samples, opt_levels=("ORT_DISABLE_ALL",))
+    bad = [n for n in rep.nodes if not n.exact]
+    assert not bad, bad
+    assert rep.nodes_exact[1] == len(qm.quantizers())
+    for o in rep.outputs:
+        assert o.identical_fraction >= 0.99, o
+        assert o.max_step_diff is None or o.max_step_diff <= 1.0, o
 
 
 def test_block_axis_follows_reduction_axis():
