@@ -1,6 +1,8 @@
 """The project's C++ ONNX Runtime operator library (installed as ``qtorch_onnx.export.ort_ops``).
 
-Sources: ``CMakeLists.txt`` and ``src/`` (C++17 against ONNX Runtime's C/C++ API, OPS.md). The library is
+Sources: ``CMakeLists.txt``, ``*.h``, ``*.cc`` (C++17 against ONNX Runtime's C/C++ API, OPS.md):
+``numerics.h`` (the bit-level numerics), ``block_kernels.*`` (runs of blocks, per-ISA clones), ``kernels.h``
+(layout and threading), ``ort_ops.cc`` (the operators, attribute checks, registration). The library is
 built on first use into a cache folder by :mod:`qtorch_onnx.export.ort_ops.build`; register it with::
 
     so = onnxruntime.SessionOptions()

@@ -1,6 +1,6 @@
 """Build and locate the project's ONNX Runtime operator library (``com.amd.quark`` / ``com.vai.quantize``).
 
-The library (C++17, CMake; sources next to this file) is built on first use and cached in
+The library (C++17, CMake; ``CMakeLists.txt``, ``*.h`` and ``*.cc`` next to this file) is built on first use and cached in
 ``$QTORCH_ONNX_CACHE/ort_ops/<hash>/`` (default ``~/.cache/qtorch_onnx/ort_ops/<hash>/``), where ``<hash>``
 covers the sources, the ONNX Runtime headers, the platform and the compiler. Two processes (pytest-xdist
 workers) may ask at the same time: a file lock serializes the build and the result appears with one atomic
@@ -103,10 +103,10 @@ def cache_dir() -> Path:
 
 def _source_files() -> List[Path]:
     files = [SOURCE_DIR / "CMakeLists.txt"]
-    files += sorted(p for p in (SOURCE_DIR / "src").iterdir() if p.suffix in (".h", ".cc", ".cpp", ".hpp"))
+    files += sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".h", ".cc"))
     missing = [str(p) for p in files if not p.is_file()]
     if missing or len(files) < 2:
-        raise LibraryBuildError(f"the operator library sources are incomplete (missing {missing or 'src/*.cc'}); "
+        raise LibraryBuildError(f"the operator library sources are incomplete (missing {missing or '*.cc'}); "
                                 "reinstall qtorch-onnx so that qtorch_onnx/export/ort_ops ships its C++ sources")
     return files
 
@@ -353,6 +353,8 @@ def build(force: bool = False, verbose: bool = False) -> BuildResult:
     with _file_lock(root / f"{key}.lock"):
         if not force and (res := cached()) is not None:  # built by another process meanwhile
             return res
+        for stale in root.glob(f".build-{key}-*"):  # left by a build that was killed (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
         try:

@@ -101,10 +101,10 @@ def _bfp_prime_blocks(xb: torch.Tensor, m: int, mode: int, sub_block_size: int,
     e_sub = e.reshape(*lead, n_sub, sub_block_size).amax(dim=-1, keepdim=True)
     shift = torch.clamp(shared.unsqueeze(-1) - e_sub, max=(1 << shift_bits) - 1)
     shift = shift.expand(*lead, n_sub, sub_block_size).reshape(e.shape)
-    e64 = e.to(torch.int64)
-    mant = torch.where(e64 != 0, (bits.to(torch.int64) & 0x7FFFFF) | 0x800000, torch.zeros_like(e64))
-    t = (shared - shift - e).to(torch.int64) + (24 - m)  # >= 24 - m >= 1
-    t = torch.clamp(t, max=40)  # t > 25 gives 0 anyway (M < 2^24)
+    # int32 throughout: mant < 2^24 and shifts are clamped to 31 (a shift above 25 leaves q = 0, rem = mant
+    # and half = 2^(t-1) > mant either way), so nothing overflows
+    mant = torch.where(e != 0, (bits & 0x7FFFFF) | 0x800000, torch.zeros_like(e))
+    t = torch.clamp(shared - shift - e + (24 - m), max=31)  # >= 24 - m >= 1
     q = torch.bitwise_right_shift(mant, t)
     rem = mant - torch.bitwise_left_shift(q, t)
     half = torch.bitwise_left_shift(torch.ones_like(t), t - 1)
@@ -116,7 +116,7 @@ def _bfp_prime_blocks(xb: torch.Tensor, m: int, mode: int, sub_block_size: int,
         up = (rem > half) | ((rem == half) & (torch.bitwise_and(q, 1) == 1))
     qmax = (1 << m) - 1
     saturated = up & (q == qmax)
-    q = q + (up & ~saturated).to(torch.int64)
+    q = q + (up & ~saturated).to(torch.int32)
     # y = q * 2^k, k = S - 127 - shift + 1 - m >= -155: an exact product by 2^max(k, -126) then one
     # correctly rounded product by 2^(k - max(k, -126)) (float32 round to nearest even into subnormals).
     k = shared - 127 - shift + 1 - m

@@ -14,6 +14,15 @@
 
 #include "numerics.h"
 
+// AVX2 and baseline versions of the element-wise loops, picked when the library is loaded (GCC on x86-64
+// Linux; same IEEE float32 operations in both, no FMA contraction: -ffp-contract=off).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(QTORCH_ORT_NO_MULTIVERSION)
+#define QTORCH_ORT_TEMPLATE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define QTORCH_ORT_TEMPLATE_CLONES
+#endif
+
 #if defined(__SSE__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 1)
 #include <xmmintrin.h>
 #define QTORCH_ORT_HAVE_MXCSR 1
@@ -202,8 +211,10 @@ bool RunBlocks(const T* x, T* y, const BlockLayout& lay, const BlockFn& fn, cons
   return !job.failed();
 }
 
-// Element-wise map with an optional channel index: y[i] = fn(x[i], c) where c = (i / inner) % channels
-// (channels = 1 for per-tensor parameters). ElemFn: callable as fn(In, int64_t channel) -> Out.
+// Element-wise map with an optional channel index: y[i] = fn.at(c)(x[i]) where c = (i / inner) % channels
+// (channels = 1 for per-tensor parameters). ElemFn::at(channel) returns a callable In -> Out that holds the
+// channel's parameters by value (so that stores to y, which may alias them as far as the compiler knows,
+// do not force reloads inside the vectorized loop).
 template <typename In, typename Out, typename ElemFn>
 class ElementwiseJob {
  public:
@@ -221,11 +232,16 @@ class ElementwiseJob {
   }
 
  private:
-  void RunTask(int64_t task) {
+  QTORCH_ORT_TEMPLATE_CLONES void RunTask(int64_t task) {
     const int64_t i0 = task * per_task_;
     const int64_t i1 = std::min(n_, i0 + per_task_);
+    // local copies: a store through an int8/uint8 pointer may alias the members as far as the compiler
+    // knows, which would force a reload per element and block vectorization
+    const In* const x = x_;
+    Out* const y = y_;
     if (channels_ <= 1) {
-      for (int64_t i = i0; i < i1; ++i) y_[i] = fn_(x_[i], 0);
+      const auto op = fn_.at(0);
+      for (int64_t i = i0; i < i1; ++i) y[i] = op(x[i]);
       return;
     }
     // runs of `inner` consecutive elements share one channel: loop over the runs, vectorize inside them
@@ -234,7 +250,8 @@ class ElementwiseJob {
       const int64_t run = i / inner_;
       const int64_t c = run % channels_;
       const int64_t end = std::min(i1, (run + 1) * inner_);
-      for (int64_t j = i; j < end; ++j) y_[j] = fn_(x_[j], c);
+      const auto op = fn_.at(c);
+      for (int64_t j = i; j < end; ++j) y[j] = op(x[j]);
       i = end;
     }
   }

@@ -521,62 +521,80 @@ template <typename Q, typename Acc>
 struct IntQuantize {
   const float* scale;
   const Acc* zero_point;
-  Q operator()(float x, int64_t c) const {
-    const float v = x / scale[c];
-    Acc t = static_cast<Acc>(round_half_even(v)) + zero_point[c];
-    const Acc lo = static_cast<Acc>(std::numeric_limits<Q>::min());
-    const Acc hi = static_cast<Acc>(std::numeric_limits<Q>::max());
-    t = t >= lo ? t : lo;  // NaN fails the comparison: type minimum
-    t = t <= hi ? t : hi;
-    // t is integral and inside Q's range: the conversion is exact (int32 for the float accumulator)
-    using Int = typename std::conditional<std::is_same<Acc, float>::value, int32_t, int64_t>::type;
-    return static_cast<Q>(static_cast<Int>(t));
-  }
+  struct Op {
+    float s;
+    Acc zp;
+    Q operator()(float x) const {
+      const float v = x / s;
+      Acc t = static_cast<Acc>(round_half_even(v)) + zp;
+      const Acc lo = static_cast<Acc>(std::numeric_limits<Q>::min());
+      const Acc hi = static_cast<Acc>(std::numeric_limits<Q>::max());
+      t = t >= lo ? t : lo;  // NaN fails the comparison: type minimum
+      t = t <= hi ? t : hi;
+      // t is integral and inside Q's range: the conversion is exact (int32 for the float accumulator)
+      using Int = typename std::conditional<std::is_same<Acc, float>::value, int32_t, int64_t>::type;
+      return static_cast<Q>(static_cast<Int>(t));
+    }
+  };
+  Op at(int64_t c) const { return Op{scale[c], zero_point[c]}; }
 };
 
-// Integer dequantize: y = float32(q - zero_point) * scale (the difference exact in int64, rounded to
-// float32 once, then a float32 product).
-template <typename Q>
+// Integer dequantize: y = float32(q - zero_point) * scale (the difference exact in Acc: int32 for 8/16-bit
+// types, int64 for 32-bit ones, rounded to float32 once, then a float32 product).
+template <typename Q, typename Acc>
 struct IntDequantize {
   const float* scale;
-  const int64_t* zero_point;
-  float operator()(Q q, int64_t c) const {
-    return static_cast<float>(static_cast<int64_t>(q) - zero_point[c]) * scale[c];
-  }
+  const Acc* zero_point;
+  struct Op {
+    float s;
+    Acc zp;
+    float operator()(Q q) const { return static_cast<float>(static_cast<Acc>(q) - zp) * s; }
+  };
+  Op at(int64_t c) const { return Op{scale[c], zero_point[c]}; }
 };
 
 // bfloat16 quantize (Quark): bf16(x / scale + zero_point) in float32, round to nearest even; NaN -> 0x7FC1.
 struct Bf16Quantize {
   const float* scale;
   const float* zero_point;
-  uint16_t operator()(float x, int64_t c) const {
-    const float v = x / scale[c] + zero_point[c];
-    return bfloat16_bits_rne(v, 0x7FC1u);
-  }
+  struct Op {
+    float s, zp;
+    uint16_t operator()(float x) const { return bfloat16_bits_rne(x / s + zp, 0x7FC1u); }
+  };
+  Op at(int64_t c) const { return Op{scale[c], zero_point[c]}; }
 };
 
 // bfloat16 dequantize (Quark): (float(q) - float(zero_point)) * scale; every NaN -> 0x7FC00000.
 struct Bf16Dequantize {
   const float* scale;
   const float* zero_point;
-  float operator()(uint16_t q, int64_t c) const {
-    const float y = (bfloat16_to_float(q) - zero_point[c]) * scale[c];
-    return (y != y) ? float_of(0x7FC00000u) : y;
-  }
+  struct Op {
+    float s, zp;
+    float operator()(uint16_t q) const {
+      const float y = (bfloat16_to_float(q) - zp) * s;
+      return (y != y) ? float_of(0x7FC00000u) : y;
+    }
+  };
+  Op at(int64_t c) const { return Op{scale[c], zero_point[c]}; }
 };
 
 // float16 quantize (Quark): float16(clip(x, -65504, 65504)); scale and zero point are ignored. NaN stays NaN.
 struct Fp16Quantize {
-  uint16_t operator()(float x, int64_t) const {
-    if (x != x) return float_to_half(x);
-    const float c = x > 65504.0f ? 65504.0f : (x < -65504.0f ? -65504.0f : x);
-    return float_to_half(c);
-  }
+  struct Op {
+    uint16_t operator()(float x) const {
+      const float c = x > 65504.0f ? 65504.0f : (x < -65504.0f ? -65504.0f : x);  // NaN passes through
+      return float_to_half(c);
+    }
+  };
+  Op at(int64_t) const { return Op{}; }
 };
 
 // float16 dequantize (Quark): exact widening; scale and zero point are ignored.
 struct Fp16Dequantize {
-  float operator()(uint16_t q, int64_t) const { return half_to_float(q); }
+  struct Op {
+    float operator()(uint16_t q) const { return half_to_float(q); }
+  };
+  Op at(int64_t) const { return Op{}; }
 };
 
 class QdqKernel final : public KernelBase {
@@ -714,9 +732,10 @@ class QdqKernel final : public KernelBase {
   template <typename Q>
   void DequantizeInt(const Ort::ConstValue& x, float* yd, const Ort::ConstValue& z, bool zpc, int64_t channels,
                      int64_t inner, int64_t numel, const std::vector<float>& scale, const TaskRunner& runner) {
+    using Acc = typename std::conditional<(sizeof(Q) <= 2), int32_t, int64_t>::type;
     const std::vector<Q> zq = Expand<Q>(z, zpc, channels);
-    std::vector<int64_t> zd(zq.begin(), zq.end());
-    IntDequantize<Q> fn{scale.data(), zd.data()};
+    std::vector<Acc> zd(zq.begin(), zq.end());
+    IntDequantize<Q, Acc> fn{scale.data(), zd.data()};
     RunElementwise(reinterpret_cast<const Q*>(x.GetTensorRawData()), yd, numel, channels, inner, fn, runner);
   }
 
