@@ -29,15 +29,30 @@ class UnsupportedOpsError(ModelError):
     """The model uses ops neither normalization nor lifting supports.
 
     Attributes:
-        ops: list of ``(domain, op_type, opset, [node names])`` tuples, one per unsupported op kind.
+        ops: list of ``(domain, op_type, opset, [node names])`` tuples, one per unsupported op kind
+            (``opset``: the model's opset for that domain; domain ``""`` is ai.onnx).
+        reasons: ``{(domain, op_type, opset): reason}`` (the first node's), when known.
+        hints: ``{(domain, op_type, opset): suggested workaround}``, when known.
+
+    The message has one line per op kind: domain, op type, opset, every node name (the first 8 and a
+    count beyond), the reason and the suggested workaround.
     """
 
-    def __init__(self, ops: list[tuple[str, str, int, list[str]]]):
+    def __init__(self, ops: list[tuple[str, str, int, list[str]]], reasons: dict | None = None,
+                 hints: dict | None = None):
         self.ops = ops
+        self.reasons = dict(reasons or {})
+        self.hints = dict(hints or {})
         lines = []
         for domain, op_type, opset, nodes in ops:
             shown = ", ".join(repr(n) for n in nodes[:8]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 8 else "")
-            lines.append(f"  {domain or 'ai.onnx'}::{op_type} (opset {opset}): nodes {shown}")
+            line = f"  {domain or 'ai.onnx'}::{op_type} (opset {opset}): {len(nodes)} node(s) {shown}"
+            key = (domain, op_type, opset)
+            if key in self.reasons:
+                line += f"\n      reason: {self.reasons[key]}"
+            if key in self.hints:
+                line += f"\n      workaround: {self.hints[key]}"
+            lines.append(line)
         super().__init__("the model uses ops that cannot be lifted to torch:\n" + "\n".join(lines))
 
 

@@ -9,6 +9,10 @@ Public API:
     register_converter(op_type, versions, domain="") -> decorator adding/overriding an onnx2torch converter
     TensorMap, TensorRef, ModelInfo, NodeInfo, TensorInfo
 
+Recurrent ops (LSTM, GRU, RNN, com.microsoft::DynamicQuantizeLSTM: :mod:`.recurrent`) and control flow
+(If with a runtime condition, Loop, Scan: :mod:`.control_flow`, subgraphs lifted recursively, their
+tensors in ``tensor_map.subgraphs``) register their converters when this package is imported.
+
 This package knows ONNX and torch, nothing about quantization.
 """
 from .normalize import normalize, normalize_with_aliases, same_pads

@@ -2,21 +2,26 @@
 
 onnx2torch 1.5.15 registers converters per ``(domain, op_type, since_version)``; ``get_converter`` maps a
 model's opset to the op schema's ``since_version`` and looks that key up, and ``add_converter`` raises
-``ValueError`` on a key that is already registered. So this module extends it in two ways, both through
-public API only (``onnx2torch.node_converters.registry.add_converter`` / ``get_converter``):
+``ValueError`` on a key that is already registered. So this package extends it in two ways, both through
+public API only (``onnx2torch.node_converters.registry.add_converter`` / ``get_converter``; the helpers
+live in :mod:`~qtorch_onnx.lift.ops_common`):
 
-* **New keys** (ops at opset versions onnx2torch lacks) are registered with ``add_converter``:
-  hand-written converters for Reduce*-18/20, Split-18, Pad-18+, Gelu-20, NonZero-9; guarded
-  delegations to the older onnx2torch converter for Resize-18/19, AveragePool-19, Cast-19+; and, found
-  automatically from the ONNX schemas, a delegation for every newer version whose schema differs from
-  an already supported one only in type constraints (same inputs, outputs and attributes:
-  Shape-19/21/..., Reshape-19/21/..., Identity-19/..., MaxPool-22, Conv-22, ...).
-* **Overrides** of registered but wrong converters (CumSum-11/14: ONNX's ``reverse`` default is 0, not
-  1; NonZero-13: ONNX's output is ``[rank, N]``, torch.nonzero's is ``[N, rank]``) cannot be
-  re-registered; they live in :data:`OVERRIDES` and :func:`qtorch_onnx.lift.lift` swaps the converted
-  module for ours after ``onnx2torch.convert`` (same ONNX input mapping, so the fx node is unchanged).
+* **New keys** (ops or opset versions onnx2torch lacks) are registered with ``add_converter``: the
+  hand-written converters below (Reduce*-18/20, Split-18, Pad-18+, Gelu-20, NonZero-9) and those of the
+  ``ops_*`` modules imported at the end (attention, normalization, losses, convolution and pooling,
+  resampling, quantization and casts, element-wise math, indexing, shape, signal processing); then,
+  found automatically from the ONNX schemas, a delegation for every newer version whose schema differs
+  from an already supported one only in type constraints (Identity-19/..., Transpose-21/..., ...).
+* **Overrides** of registered but wrong converters (e.g. CumSum-11/14: ONNX's ``reverse`` default is
+  0, not 1; NonZero-13: ONNX's output is ``[rank, N]``; Add/Div/... on uint16-64; Flatten axis 0;
+  LayerNormalization's Mean/InvStdDev outputs) cannot be re-registered; they live in :data:`OVERRIDES`
+  and :func:`qtorch_onnx.lift.lift` swaps the converted module for ours after ``onnx2torch.convert``
+  (same ONNX input mapping, so the fx node is unchanged). This works only where onnx2torch's own
+  converter accepts the node; :func:`dry_run` reports the nodes where it does not (e.g. Clip-13 with
+  dynamic min/max).
 
-Use :func:`converter_for` to get the converter the lifter will use for a node.
+Use :func:`converter_for` to get the converter the lifter will use for a node, :func:`dry_run` to check
+a node, and :func:`workaround` for the hint :class:`~qtorch_onnx.errors.UnsupportedOpsError` shows.
 """
 from __future__ import annotations
 
@@ -24,9 +29,9 @@ import math
 from typing import Callable
 
 import onnx
+from onnx import defs
 import torch
 import torch.nn.functional as F
-from onnx import defs
 from torch import nn
 
 from onnx2torch.node_converters.registry import add_converter, get_converter
@@ -34,71 +39,13 @@ from onnx2torch.onnx_graph import OnnxGraph
 from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OnnxToTorchModule, OperationConverterResult, onnx_mapping_from_node
 
-Converter = Callable[[OnnxNode, OnnxGraph], OperationConverterResult]
+from .ops_common import (  # noqa: F401  (re-exported: the registry API lives in ops_common)
+    _OURS, OVERRIDES, ConversionNotSupported, Converter, const_ints, const_tensor, converter_for, onnx2torch_converter,
+    register_converter, registered, since_version,
+)
 
-#: ``(domain, op_type, since_version) -> converter`` replacing onnx2torch's registered (wrong) one.
-OVERRIDES: dict[tuple[str, str, int], Converter] = {}
-
-
-class ConversionNotSupported(NotImplementedError):
-    """A node of a supported op uses an attribute value or input form no converter handles."""
-
-
-def since_version(op_type: str, opset: int, domain: str = "") -> int | None:
-    """The ``since_version`` of ``op_type``'s schema in effect at ``opset``, or ``None`` if none exists."""
-    try:
-        return defs.get_schema(op_type, max_inclusive_version=opset, domain=domain).since_version
-    except Exception:  # onnx raises SchemaError (a RuntimeError subclass) for unknown ops
-        return None
-
-
-def _registered(op_type: str, version: int, domain: str = "") -> Converter | None:
-    try:
-        return get_converter(operation_type=op_type, version=version, domain=domain)
-    except NotImplementedError:
-        return None
-
-
-def converter_for(op_type: str, opset: int, domain: str = "") -> Converter | None:
-    """The converter used for ``op_type`` at model opset ``opset`` (override first), or ``None``."""
-    v = since_version(op_type, opset, domain)
-    key = (domain, op_type, v if v is not None else opset)
-    if key in OVERRIDES:
-        return OVERRIDES[key]
-    return _registered(op_type, opset, domain)
-
-
-def register_converter(op_type: str, versions, domain: str = ""):
-    """Decorator: use ``converter(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult`` for
-    ``op_type`` at each of ``versions`` (schema since-versions; for a custom domain, its opset version).
-
-    Versions onnx2torch does not know are added with its public ``add_converter``; versions it already
-    has go to :data:`OVERRIDES`, which :func:`~qtorch_onnx.lift.lift` applies after conversion (the
-    override must map the same ONNX inputs to module arguments as the converter it replaces, and
-    onnx2torch's own converter must not fail on the node).
-    """
-
-    def deco(converter: Converter) -> Converter:
-        for v in versions:
-            if _registered(op_type, v, domain) is not None and since_version(op_type, v, domain) == v:
-                OVERRIDES[(domain, op_type, v)] = converter
-            else:
-                add_converter(operation_type=op_type, version=v, domain=domain)(converter)
-        return converter
-
-    return deco
-
-
-def _const_ints(node: OnnxNode, graph: OnnxGraph, index: int) -> list[int] | None:
-    """Integer list of input ``index`` if it is an initializer; ``None`` if absent; raises if dynamic."""
-    if len(node.input_values) <= index or not node.input_values[index]:
-        return None
-    name = node.input_values[index]
-    if name in graph.initializers:
-        return [int(v) for v in graph.initializers[name].to_torch().reshape(-1).tolist()]
-    raise ConversionNotSupported(
-        f"{node.operation_type} node {node.name!r}: input {index} ({name!r}) must be a constant (initializer)"
-    )
+_registered = registered
+_const_ints = const_ints
 
 
 # ============================================================================ hand-written modules
@@ -121,6 +68,18 @@ class OnnxReduce18(nn.Module, OnnxToTorchModule):
         dims = sorted(d % x.dim() for d in dims) if x.dim() else []
         kd = self.keepdims
         op = self.op
+        if op in ("ReduceMax", "ReduceMin") and any(x.shape[d] == 0 for d in dims):
+            # reduction over an empty set: the identity element (ONNX: -inf / +inf, or the type's extreme)
+            shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if kd else \
+                [n for d, n in enumerate(x.shape) if d not in dims]
+            if x.dtype == torch.bool:
+                fill = op == "ReduceMin"
+            elif x.is_floating_point():
+                fill = float("-inf") if op == "ReduceMax" else float("inf")
+            else:
+                info = torch.iinfo(x.dtype)
+                fill = info.min if op == "ReduceMax" else info.max
+            return torch.full(shape, fill, dtype=x.dtype, device=x.device)
         if op == "ReduceMax":
             return torch.amax(x, dim=dims, keepdim=kd) if dims else x
         if op == "ReduceMin":
@@ -204,25 +163,39 @@ class OnnxPad18(nn.Module, OnnxToTorchModule):
     """ONNX Pad-18+ (``axes`` input; modes constant, reflect, edge, wrap; negative pads crop).
 
     x: tensor of rank r; pads: int64 [2 * len(axes)] as ``[begin..., end...]`` (ONNX Pad spec).
-    Non-constant modes gather with per-axis index maps, so any axis may be padded.
+    Non-constant modes gather with per-axis index maps, so any axis may be padded. When pads,
+    constant_value and axes are initializers they are given to the constructor (``baked``) and the
+    torch padding list is computed once per input rank instead of on every call.
     """
 
-    def __init__(self, mode: str = "constant"):
+    def __init__(self, mode: str = "constant", baked: tuple | None = None):
         super().__init__()
         self.mode = mode
+        self.baked = baked  # (pads, constant_value, axes) as Python values, or None
+        self._flat: dict[int, tuple] = {}
 
-    def forward(self, x, pads, constant_value=None, axes=None):  # noqa: D102
-        r = x.dim()
-        pads = [int(p) for p in pads.reshape(-1).tolist()]
-        axes_l = list(range(r)) if axes is None else [int(a) % r for a in axes.reshape(-1).tolist()]
+    def _plan(self, r: int, pads: list[int], axes: list[int] | None):
+        axes_l = list(range(r)) if axes is None else [a % r for a in axes]
         k = len(axes_l)
-        begin = dict(zip(axes_l, pads[:k]))
-        end = dict(zip(axes_l, pads[k:]))
-        if self.mode == "constant":
-            flat = []
-            for d in reversed(range(r)):
-                flat += [begin.get(d, 0), end.get(d, 0)]
+        begin, end = dict(zip(axes_l, pads[:k])), dict(zip(axes_l, pads[k:]))
+        flat = []
+        for d in reversed(range(r)):
+            flat += [begin.get(d, 0), end.get(d, 0)]
+        return axes_l, begin, end, flat
+
+    def forward(self, x, pads=None, constant_value=None, axes=None):  # noqa: D102
+        r = x.dim()
+        if self.baked is not None:
+            plan = self._flat.get(r)
+            if plan is None:
+                plan = self._flat[r] = self._plan(r, self.baked[0], self.baked[2])
+            value = self.baked[1]
+        else:
+            plan = self._plan(r, [int(p) for p in pads.reshape(-1).tolist()],
+                              None if axes is None else [int(a) for a in axes.reshape(-1).tolist()])
             value = 0.0 if constant_value is None or constant_value.numel() == 0 else constant_value.reshape(-1)[0].item()
+        axes_l, begin, end, flat = plan
+        if self.mode == "constant":
             return F.pad(x, flat, mode="constant", value=value)
         for d in axes_l:
             if begin[d] or end[d]:
@@ -235,6 +208,15 @@ def _pad18(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     mode = node.attributes.get("mode", "constant")
     if mode not in ("constant", "reflect", "edge", "wrap"):
         raise ConversionNotSupported(f"Pad node {node.name!r}: mode {mode!r} (valid: constant, reflect, edge, wrap)")
+    ins = node.input_values
+    if all(v in graph.initializers for v in ins[1:] if v):
+        pads = [int(v) for v in const_tensor(node, graph, 1).reshape(-1).tolist()]
+        cv = const_tensor(node, graph, 2)
+        value = 0.0 if cv is None or cv.numel() == 0 else cv.reshape(-1)[0].item()
+        ax = const_tensor(node, graph, 3)
+        axes = [int(a) for a in ax.reshape(-1).tolist()] if ax is not None else None
+        return OperationConverterResult(torch_module=OnnxPad18(mode, (pads, value, axes)),
+                                        onnx_mapping=OnnxMapping(inputs=(ins[0],), outputs=node.output_values))
     return OperationConverterResult(torch_module=OnnxPad18(mode), onnx_mapping=onnx_mapping_from_node(node))
 
 
@@ -255,39 +237,6 @@ def _gelu(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     if approximate not in ("none", "tanh"):
         raise ConversionNotSupported(f"Gelu node {node.name!r}: approximate={approximate!r} (valid: none, tanh)")
     return OperationConverterResult(torch_module=OnnxGelu(approximate), onnx_mapping=onnx_mapping_from_node(node))
-
-
-class OnnxCumSum(nn.Module, OnnxToTorchModule):
-    """ONNX CumSum-11/14 with the spec's defaults (``exclusive=0``, ``reverse=0``).
-
-    The exclusive form shifts the input by one along ``axis`` (zero first) before the inclusive sum,
-    so element i is the sum of elements before i (not ``cumsum - x``, which rounds differently).
-    """
-
-    def __init__(self, exclusive: bool = False, reverse: bool = False):
-        super().__init__()
-        self.exclusive, self.reverse = exclusive, reverse
-
-    def forward(self, x: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        dim = int(axis.reshape(-1)[0].item()) % x.dim()
-        if self.reverse:
-            x = torch.flip(x, dims=(dim,))
-        if self.exclusive:
-            zero = torch.zeros_like(x.narrow(dim, 0, 1))
-            x = torch.cat([zero, x.narrow(dim, 0, x.shape[dim] - 1)], dim=dim)
-        y = torch.cumsum(x, dim=dim)
-        if self.reverse:
-            y = torch.flip(y, dims=(dim,))
-        return y
-
-
-@register_converter("CumSum", [11, 14])
-def _cumsum(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
-    a = node.attributes
-    return OperationConverterResult(
-        torch_module=OnnxCumSum(bool(a.get("exclusive", 0)), bool(a.get("reverse", 0))),
-        onnx_mapping=onnx_mapping_from_node(node),
-    )
 
 
 class OnnxNonZero(nn.Module, OnnxToTorchModule):
@@ -319,48 +268,92 @@ def _delegate(op_type: str, to_version: int, guard: Callable[[OnnxNode, OnnxGrap
     return converter
 
 
-def _resize_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
-    a = node.attributes
-    if a.get("antialias", 0):
-        return "antialias=1 is not supported"
-    if "axes" in a:
-        return "the axes attribute is not supported"
-    if a.get("keep_aspect_ratio_policy", "stretch") != "stretch":
-        return f"keep_aspect_ratio_policy={a['keep_aspect_ratio_policy']!r} (valid: 'stretch')"
-    if a.get("coordinate_transformation_mode") == "half_pixel_symmetric":
-        return "coordinate_transformation_mode='half_pixel_symmetric' is not supported"
+# ============================================================================ support checks and hints
+#: element types numpy has no dtype for (ml_dtypes): onnx2torch's initializer conversion fails on them
+_NO_NUMPY_INIT = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
+                  onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0,
+                  onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,
+                  onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT6E2M3, onnx.TensorProto.FLOAT6E3M2}
+
+
+def dry_run(node: OnnxNode, graph: OnnxGraph, opset: int | None, domain: str = "") -> str | None:
+    """Why ``node`` cannot be converted (``None`` when it can): no opset import, no converter, the
+    converter rejecting the node, or, for a key in :data:`OVERRIDES`, onnx2torch's own converter (which
+    ``onnx2torch.convert`` runs before the override replaces its module) rejecting it."""
+    if opset is None:
+        return f"no opset import for domain {domain or 'ai.onnx'!r}"
+    for name in node.input_values:
+        t = graph.initializers.get(name) if name else None
+        if t is not None and t.proto.data_type in _NO_NUMPY_INIT:
+            return (f"initializer {name!r} has element type {onnx.TensorProto.DataType.Name(t.proto.data_type)}, "
+                    f"which onnx2torch cannot turn into a buffer (OnnxTensor.to_torch goes through numpy)")
+    conv = converter_for(node.operation_type, opset, domain)
+    if conv is None:
+        return "no converter"
+    try:
+        conv(node, graph)
+    except Exception as exc:  # any converter failure means this node cannot be lifted
+        return f"{type(exc).__name__}: {exc}"
+    v = since_version(node.operation_type, opset, domain)
+    if (domain, node.operation_type, v) in OVERRIDES:
+        own = onnx2torch_converter(node.operation_type, opset, domain)
+        if own is not None:
+            try:
+                own(node, graph)
+            except Exception as exc:
+                return (f"onnx2torch's {node.operation_type}-{v} converter, which runs before our override replaces "
+                        f"its module, rejects this node ({type(exc).__name__}: {exc})")
     return None
 
 
-for _v in (18, 19):
-    register_converter("Resize", [_v])(_delegate("Resize", 13, _resize_guard))
+_SEQUENCE_OPS = {"SequenceAt", "SequenceConstruct", "SequenceEmpty", "SequenceErase", "SequenceInsert",
+                 "SequenceLength", "SequenceMap", "SplitToSequence", "ConcatFromSequence", "Optional",
+                 "OptionalGetElement", "OptionalHasElement"}
+_STRING_OPS = {"StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "ImageDecoder"}
+_TRAINING_OPS = {"Gradient", "Adagrad", "Momentum", "Adam"}
+_RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
 
 
-def _avgpool_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
-    dil = node.attributes.get("dilations")
-    return f"dilations={dil} (only 1 is supported)" if dil and any(d != 1 for d in dil) else None
+def workaround(domain: str, op_type: str, reason: str) -> str:
+    """A suggested way around an unsupported op (used in :class:`~qtorch_onnx.errors.UnsupportedOpsError`)."""
+    register = (f"register a converter: @qtorch_onnx.lift.register_converter({op_type!r}, [<since_version>]"
+                + (f", domain={domain!r}" if domain else "") + ")")
+    if domain == "com.microsoft":
+        return ("this is an ONNX Runtime contrib op (a graph-optimizer fusion or a quantized kernel): re-export the "
+                "model without ORT optimizations (SessionOptions.graph_optimization_level=ORT_DISABLE_ALL, no "
+                f"optimized_model_filepath), or {register}")
+    if domain not in ("", "ai.onnx"):
+        return f"ops of custom domain {domain!r} have no converter: {register}"
+    if op_type in _SEQUENCE_OPS:
+        return "tensor sequences / optionals have no torch.fx tensor form: rewrite the graph with tensors (Split, Concat)"
+    if op_type in _STRING_OPS:
+        return "string tensors have no torch dtype: do the string processing outside the model"
+    if op_type in _TRAINING_OPS or "training_mode" in reason:
+        return "training ops are not lifted: export the inference graph (training_mode=0, no optimizer ops)"
+    if op_type in _RANDOM_OPS:
+        return "random ops are not lifted (their values cannot match ONNX Runtime's): feed the random tensor as an input"
+    if "must be a constant" in reason or "Dynamic value" in reason or "initializer" in reason:
+        return "make that input a constant (an initializer), e.g. by fixing the input shapes and re-running normalize()"
+    if "auto_pad" in reason or "static" in reason:
+        return ("give the model static input shapes (python -m onnxruntime.tools.make_dynamic_shape_fixed) so "
+                "normalization can resolve it")
+    if "cannot turn into a buffer" in reason:
+        return ("store that initializer in a numpy type (float32 / int8, with a Cast node if needed) or feed it as a "
+                "graph input; holding such initializers needs a lifter change")
+    if "onnx2torch's" in reason:
+        return "the lifter needs to apply this override before onnx2torch converts the node (not yet done); " + register
+    if reason == "no converter":
+        return register
+    return "check the attribute named in the reason against the values listed there, or " + register
 
 
-register_converter("AveragePool", [19])(_delegate("AveragePool", 11, _avgpool_guard))
-
-_TORCH_CASTABLE = {
-    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-    onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
-    onnx.TensorProto.INT64, onnx.TensorProto.BOOL,
-}
-
-
-def _cast_guard(node: OnnxNode, graph: OnnxGraph) -> str | None:
-    to = node.attributes.get("to")
-    if to not in _TORCH_CASTABLE:
-        name = onnx.TensorProto.DataType.Name(to) if to is not None else None
-        return f"to={name} (float8/4, int4, string casts are not supported)"
-    return None
-
-
-for _v in (19, 21, 23, 24, 25):
-    register_converter("Cast", [_v])(_delegate("Cast", 13, _cast_guard))
-
+# ============================================================================ converter modules
+# Imported here, before the automatic delegations below, so that their hand-written converters take the
+# newer versions they register and the delegations only fill the gaps.
+from . import (  # noqa: E402,F401
+    ops_attention, ops_conv_pool, ops_index, ops_loss, ops_math, ops_norm, ops_quant, ops_resample, ops_shape,
+    ops_signal,
+)
 
 # ============================================================================ automatic type-only delegations
 def _signature(schema) -> tuple:
@@ -391,6 +384,7 @@ def _register_type_only_versions() -> list[tuple[str, int, int]]:
             if supported is not None and _signature(s) == supported[1]:
                 base = OVERRIDES.get(("", op, supported[0])) or get_converter(operation_type=op, version=supported[0])
                 add_converter(operation_type=op, version=v)(base)
+                _OURS.add(("", op, v))
                 done.append((op, v, supported[0]))
             else:
                 supported = None  # a real change: older converters do not apply to later versions

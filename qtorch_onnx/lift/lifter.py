@@ -16,6 +16,8 @@ from onnx2torch.onnx_graph import OnnxGraph, ValueType
 
 from ..errors import ModelError, UnsupportedOpsError
 from . import converters as _conv
+from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
+from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
 from .normalize import normalize_with_aliases
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
 
@@ -49,20 +51,17 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-def check_supported(model: onnx.ModelProto) -> None:
-    """Raise ONE :class:`UnsupportedOpsError` listing every node that cannot be lifted; else return.
+def _collect_unsupported(model: onnx.ModelProto, opsets: dict[str, int], prefix: str, bad: OrderedDict) -> None:
+    """Dry-run every node's converter; record ``(prefix + node name, reason)`` per failing op kind in ``bad``.
 
-    Every node is dry-run through the converter the lifter would use (so attribute-level limits, e.g.
-    Resize antialias or a Conv weight that is not an initializer, are found too). Run it on a
-    normalized model (Constant nodes and constant-condition Ifs are handled by normalization).
-
-    Raises:
-        UnsupportedOpsError: ``.ops`` = ``[(domain, op_type, opset, [node names])]``; the message also
-            gives the first reason per op kind.
+    Control-flow nodes (If / Loop / Scan) are not dry-run as a whole: their attributes are checked and
+    each subgraph is checked node by node, recursively (as the model the lifter will convert), so an
+    unsupported op inside a branch or loop body is reported as itself, named
+    ``<node>/<attribute>/<inner node>``.
     """
+    from . import control_flow as _cf
+
     graph = OnnxGraph(model.graph)
-    opsets = _opsets(model)
-    bad: "OrderedDict[tuple[str, str, int], list[tuple[str, str]]]" = OrderedDict()
     for onode in graph.nodes.values():
         domain = "" if onode.domain == "ai.onnx" else onode.domain
         opset = opsets.get(domain)
@@ -70,28 +69,58 @@ def check_supported(model: onnx.ModelProto) -> None:
         reason = None
         if conv is None:
             reason = "no converter" if opset is not None else f"no opset import for domain {domain!r}"
-        else:
+        elif _cf.is_control_flow(onode):
             try:
-                conv(onode, graph)
-            except Exception as exc:  # any converter failure means this node cannot be lifted
+                subs = _cf.subgraph_models(onode, graph, model)
+            except Exception as exc:  # invalid attributes or unresolvable outer-scope references
                 reason = f"{type(exc).__name__}: {exc}"
+            else:
+                for attr, sg in subs.items():
+                    _collect_unsupported(sg.model, opsets, f"{prefix}{onode.name}/{attr}/", bad)
+        else:
+            reason = _conv.dry_run(onode, graph, opset, domain)
         if reason is not None:
-            bad.setdefault((domain, onode.operation_type, opset or 0), []).append((onode.name, reason))
+            bad.setdefault((domain, onode.operation_type, opset or 0), []).append((prefix + onode.name, reason))
+
+
+def check_supported(model: onnx.ModelProto) -> None:
+    """Raise ONE :class:`UnsupportedOpsError` listing every node that cannot be lifted; else return.
+
+    Every node is dry-run through the converter the lifter would use (so attribute-level limits, e.g.
+    Resize antialias or a Conv weight that is not an initializer, are found too); the nodes inside the
+    subgraphs of If / Loop / Scan nodes are checked the same way, recursively, and named
+    ``<control-flow node>/<attribute>/<node>``. Run it on a normalized model (Constant nodes and
+    constant-condition Ifs are handled by normalization).
+
+    Raises:
+        UnsupportedOpsError: ``.ops`` = ``[(domain, op_type, opset, [node names])]``; ``.reasons`` and
+            ``.hints`` per op kind (the first node's reason, a suggested workaround), both also in the
+            message.
+    """
+    opsets = _opsets(model)
+    bad: "OrderedDict[tuple[str, str, int], list[tuple[str, str]]]" = OrderedDict()
+    _collect_unsupported(model, opsets, "", bad)
     if bad:
-        err = UnsupportedOpsError([(d, op, v, [n for n, _ in nodes]) for (d, op, v), nodes in bad.items()])
-        reasons = "\n".join(f"  {d or 'ai.onnx'}::{op}: {nodes[0][1]}" for (d, op, v), nodes in bad.items())
-        err.args = (f"{err.args[0]}\nreasons (first node of each):\n{reasons}",)
-        raise err
+        reasons = {key: nodes[0][1] for key, nodes in bad.items()}
+        hints = {key: _conv.workaround(key[0], key[1], reason) for key, reason in reasons.items()}
+        raise UnsupportedOpsError([(d, op, v, [n for n, _ in nodes]) for (d, op, v), nodes in bad.items()],
+                                  reasons, hints)
 
 
 def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphModule:
     """Lift an ONNX model to a ``torch.fx.GraphModule`` in eval mode.
 
     Steps: :func:`~qtorch_onnx.lift.normalize` (the input model is not mutated), :func:`check_supported`,
-    ``onnx2torch.convert`` with the converters of :mod:`qtorch_onnx.lift.converters`, then fix-ups:
+    ``onnx2torch.convert`` with the converters of :mod:`qtorch_onnx.lift.converters` (plus
+    :mod:`~qtorch_onnx.lift.recurrent` and :mod:`~qtorch_onnx.lift.control_flow`), then fix-ups:
     overridden modules swapped in, one fx node per ONNX tensor (onnx2torch makes one get_attr node and
     buffer per *use* of an initializer and one getitem per use of a multi-output node; duplicates are
     merged), and the fx output rebuilt to return exactly the ONNX graph outputs.
+
+    Control flow: the subgraphs of If / Loop / Scan nodes are lifted the same way, recursively, into
+    GraphModules held by the control-flow module (``<node>.then_branch`` / ``.else_branch`` / ``.body``);
+    their tensors are in the TensorMap too (see :class:`TensorRef` ``scope``) and their
+    :class:`TensorMap` s are in ``gm.tensor_map.subgraphs``.
 
     Args:
         model_or_path: ``onnx.ModelProto`` or path of a ``.onnx`` file.
@@ -105,44 +134,181 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
 
     Raises:
         ModelError: unreadable file (names it), invalid model.
-        UnsupportedOpsError: nodes no converter handles (all of them, in one error).
+        UnsupportedOpsError: nodes no converter handles (all of them, subgraphs included, in one error).
     """
     t0 = time.perf_counter()
     original = load_model(model_or_path)
     normalized, aliases = normalize_with_aliases(original, fold_batchnorm=fold_batchnorm)
     check_supported(normalized)
+    gm, refs, modules = _lift_graph(normalized, subgraph=False)
+    info = ModelInfo.from_model(normalized, modules)
+    own = set(refs)
+    subgraphs: dict[str, TensorMap] = {}
+    # tensors of the subgraphs (any depth): parameters / constants always (an initializer copied into
+    # several subgraphs has one parameter per copy), fx nodes (scoped to their GraphModule) only in the
+    # subgraph that defines the tensor (outer values seen inside a subgraph are the outer tensors)
+    for path, sub in gm.named_modules():
+        if sub is gm or not isinstance(sub, fx.GraphModule) or not isinstance(getattr(sub, "tensor_map", None), TensorMap):
+            continue
+        subgraphs[path] = sub.tensor_map
+        outer_names = set(getattr(sub, "outer_names", ()))
+        for name, rs in sub.tensor_map.items():
+            for r in rs:
+                if r.scope is not None:
+                    continue  # nested deeper: that GraphModule is visited itself
+                if r.kind == "node":
+                    if name in own or name in outer_names:
+                        continue
+                    ref = TensorRef("node", node_name=r.node_name, scope=path)
+                else:
+                    ref = TensorRef(r.kind, module=f"{path}.{r.module}", attr=r.attr, perm=r.perm)
+                lst = refs.setdefault(name, [])
+                if ref not in lst:
+                    lst.append(ref)
+    attached = {
+        "onnx_model": normalized,
+        "tensor_map": TensorMap({k: tuple(v) for k, v in refs.items()}, info, aliases, subgraphs),
+        "input_names": tuple(v.name for v in normalized.graph.input),
+        "output_names": tuple(o.name for o in normalized.graph.output),
+        "lift_seconds": time.perf_counter() - t0,
+    }
+    for key, value in attached.items():
+        setattr(gm, key, value)
+    # GraphModule.__deepcopy__ re-creates the module; it re-attaches what this meta entry lists
+    gm.meta.setdefault(_PRESERVED, {}).update(attached)
+    return gm
 
+
+def lift_subgraph(model: onnx.ModelProto, outer_names=()) -> fx.GraphModule:
+    """Lift the model :mod:`~qtorch_onnx.lift.control_flow` builds from an If / Loop / Scan subgraph.
+
+    ``model`` is already normalized the way the subgraph's enclosing model was (unique node names,
+    shape-inferred); no normalization or support check is run again. The GraphModule takes the
+    subgraph's formal inputs, then its outer-scope inputs, and returns its outputs (a tensor when there
+    is one output, else a tuple). Attached like :func:`lift`: ``onnx_model``, ``tensor_map`` (this
+    subgraph's tensors only; :func:`lift` merges all of them into the top-level map), ``input_names``,
+    ``output_names``, and ``outer_names`` (the enclosing values and initializers it reads: ``outer_names``).
+
+    Raises:
+        ModelError: a subgraph output that no node, input or initializer defines.
+    """
+    gm, refs, modules = _lift_graph(model, subgraph=True)
+    attached = {
+        "onnx_model": model,
+        "tensor_map": TensorMap({k: tuple(v) for k, v in refs.items()}, ModelInfo.from_model(model, modules)),
+        "input_names": tuple(v.name for v in model.graph.input),
+        "output_names": tuple(o.name for o in model.graph.output),
+        "outer_names": tuple(outer_names),
+    }
+    for key, value in attached.items():
+        setattr(gm, key, value)
+    gm.meta.setdefault(_PRESERVED, {}).update(attached)
+    return gm
+
+
+#: domain the lifter gives (on the copy it converts) to nodes whose converter is an override, so that
+#: onnx2torch calls the override itself (registered for that domain) instead of its own converter
+OVERRIDE_DOMAIN = "qtorch_override"
+
+
+def _trampoline(op_type: str, opset: int, domain: str):
+    """A converter that looks up, when called, the converter the lifter uses for ``domain::op_type`` at
+    ``opset`` (so later registrations and overrides take effect)."""
+
+    def converter(node, graph):
+        conv = _conv.converter_for(op_type, opset, domain)
+        if conv is None:
+            raise NotImplementedError(f"no converter for {domain or 'ai.onnx'}::{op_type} at opset {opset}")
+        return conv(node, graph)
+
+    converter.__name__ = f"lifter_route_{domain or 'onnx'}_{op_type}_{opset}"
+    return converter
+
+
+def _route_domains(model: onnx.ModelProto) -> dict[str, str]:
+    """Re-spell node domains on the copy onnx2torch converts (in place); returns ``{module name
+    onnx2torch will use: module name to give it afterwards}``.
+
+    * Nodes whose converter is an override (:data:`~qtorch_onnx.lift.converters.OVERRIDES`: a key
+      onnx2torch already has) get domain :data:`OVERRIDE_DOMAIN`, for which the override is registered
+      through onnx2torch's public ``add_converter``: onnx2torch then converts them with the override
+      directly (its own converter is never called, so it may reject the node, and the override may map
+      the inputs differently). Their modules are renamed back to the plain node name afterwards.
+    * Domains containing '.' (``com.microsoft``) are spelled with '_': onnx2torch names a module
+      ``<domain>/<node name>`` and torch module names cannot contain '.'.
+
+    Each alias domain gets the original domain's opset version.
+    """
+    from onnx2torch.node_converters.registry import add_converter, get_converter
+
+    versions = _opsets(model)
+    before = list(OnnxGraph(model.graph).nodes)
+    aliases: dict[str, str] = {}
+    routed: list[int] = []
+    for i, node in enumerate(model.graph.node):
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        version = versions.get(domain)
+        if version is None:
+            continue
+        if domain == "":
+            key = ("", node.op_type, _conv.since_version(node.op_type, version, ""))
+            if key not in _conv.OVERRIDES:
+                continue
+            alias = OVERRIDE_DOMAIN
+            routed.append(i)
+        elif "." in domain:
+            alias = domain.replace(".", "_")
+        else:
+            continue
+        try:
+            get_converter(operation_type=node.op_type, version=version, domain=alias)
+        except NotImplementedError:
+            add_converter(operation_type=node.op_type, version=version, domain=alias)(
+                _trampoline(node.op_type, version, domain))
+        aliases[alias] = domain
+        node.domain = alias
+    for alias, domain in aliases.items():
+        if alias not in versions:
+            model.opset_import.append(onnx.helper.make_opsetid(alias, versions[domain]))
+    after = list(OnnxGraph(model.graph).nodes)
+    return {after[i]: before[i] for i in routed}
+
+
+def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
+    """onnx2torch conversion plus the lifter's fix-ups; returns ``(gm, refs, modules)``.
+
+    ``refs``: ONNX tensor name -> list of :class:`TensorRef` (this graph's level only); ``modules``: ONNX
+    node name -> ``(module path, fx node name)``.
+    """
     g = normalized.graph
     produced = {o for n in g.node for o in n.output if o}
     # onnx2torch can only output node outputs; the real outputs are rebuilt below
     to_convert = onnx.ModelProto()
     to_convert.CopyFrom(normalized)
+    renames = _route_domains(to_convert)
     keep = [o for o in to_convert.graph.output if o.name in produced]
-    if not keep:
+    if not keep and not subgraph:
         raise ModelError(f"model {g.name!r}: no graph output is computed by a node (outputs {[o.name for o in g.output]})")
     del to_convert.graph.output[:]
     to_convert.graph.output.extend(keep)
-    gm = _o2t_convert(to_convert, attach_onnx_mapping=True)
-    del to_convert
+    with _control_flow.converting(normalized):
+        gm = _o2t_convert(to_convert, attach_onnx_mapping=True)
 
-    ograph = OnnxGraph(g)
-    opsets = _opsets(normalized)
-    onnx_nodes = {uname: onode for uname, onode in ograph.nodes.items()}
+    ograph = OnnxGraph(to_convert.graph)  # the graph onnx2torch converted (module names derive from it)
+    onnx_nodes = {renames.get(uname, uname): onode for uname, onode in ograph.nodes.items()}
     init_values = {name: t.to_torch() for name, t in ograph.initializers.items()}
 
-    # ---- overrides (same input mapping, so the fx call_module node stays as it is)
-    for uname, onode in onnx_nodes.items():
-        domain = "" if onode.domain == "ai.onnx" else onode.domain
-        key = (domain, onode.operation_type, _conv.since_version(onode.operation_type, opsets[domain], domain))
-        if key in _conv.OVERRIDES:
-            res = _conv.OVERRIDES[key](onode, ograph)
-            old = gm.get_submodule(uname)
-            if tuple(res.onnx_mapping.inputs) != tuple(old.onnx_mapping.inputs):
-                raise ModelError(f"internal: override of {key} changes the input mapping of node {onode.name!r}")
-            res.torch_module.onnx_mapping = res.onnx_mapping
-            setattr(gm, uname, res.torch_module)
-
+    # ---- modules of overridden nodes: back to the plain node name
     graph = gm.graph
+    for routed_name, plain in renames.items():
+        if plain in dict(gm.named_children()):
+            raise ModelError(f"internal: module name {plain!r} is taken")
+        gm.add_module(plain, gm.get_submodule(routed_name))
+        delattr(gm, routed_name)
+        for n in graph.nodes:
+            if n.op == "call_module" and n.target == routed_name:
+                n.target = plain
+
     refs: dict[str, list[TensorRef]] = {}
 
     def add(name: str, ref: TensorRef) -> None:
@@ -218,6 +384,12 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
     # ---- output node: exactly the ONNX outputs, ONNX order
     output_names = [o.name for o in g.output]
     old_out = next(n for n in graph.nodes if n.op == "output")
+    for o in output_names:  # an initializer returned as is (a subgraph may do that): one get_attr for it
+        if o not in fx_of and o in init_values:
+            attr = f"onnx_initializer_output_{len(fx_of)}"
+            gm.register_buffer(attr, init_values[o].clone())
+            with graph.inserting_before(old_out):
+                fx_of[o] = graph.get_attr(attr)
     missing = [o for o in output_names if o not in fx_of]
     if missing:
         raise ModelError(f"model {g.name!r}: graph outputs {missing} have no torch value")
@@ -229,16 +401,24 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
     for name, node in fx_of.items():
         add(name, TensorRef("node", node_name=node.name))
 
-    # ---- initializers baked into modules: parameters/buffers (exact value match) or constants
+    # ---- initializers baked into modules: parameters/buffers or constants
     for uname, onode in onnx_nodes.items():
         mod = gm.get_submodule(uname)
         passed = set(mod.onnx_mapping.inputs)
         baked = [v for v in onode.input_values if v and v in init_values and v not in passed]
         if not baked:
             continue
+        # a module may say where it keeps each initializer (ONNX name -> parameter/buffer attribute name,
+        # or a tuple of them, same layout); the others are found by exact value match
+        declared = {k: ((v,) if isinstance(v, str) else tuple(v))
+                    for k, v in (getattr(mod, "onnx_initializer_attrs", None) or {}).items()}
         tensors = list(mod.named_parameters(remove_duplicate=False)) + list(mod.named_buffers(remove_duplicate=False))
-        used: set[str] = set()
+        used: set[str] = {a for attrs in declared.values() for a in attrs}
         for value in baked:
+            if value in declared:
+                for a in declared[value]:
+                    add(value, TensorRef("param", module=uname, attr=a))
+                continue
             found = None
             for pname, p in tensors:
                 if pname in used:
@@ -254,19 +434,8 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
             sub, _, attr = found[0].rpartition(".")
             add(value, TensorRef("param", module=f"{uname}.{sub}" if sub else uname, attr=attr, perm=found[1]))
 
+    del to_convert
     graph.lint()
     gm.recompile()
     gm.eval()
-    info = ModelInfo.from_model(normalized, modules)
-    attached = {
-        "onnx_model": normalized,
-        "tensor_map": TensorMap({k: tuple(v) for k, v in refs.items()}, info, aliases),
-        "input_names": tuple(input_names),
-        "output_names": tuple(output_names),
-        "lift_seconds": time.perf_counter() - t0,
-    }
-    for key, value in attached.items():
-        setattr(gm, key, value)
-    # GraphModule.__deepcopy__ re-creates the module; it re-attaches what this meta entry lists
-    gm.meta.setdefault(_PRESERVED, {}).update(attached)
-    return gm
+    return gm, refs, modules

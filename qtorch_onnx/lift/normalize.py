@@ -3,6 +3,8 @@
 :func:`normalize` returns a *new* :class:`onnx.ModelProto`; the input is never mutated. The passes, in
 order (each one documented at its function):
 
+0. A model below opset 7 is upgraded to opset 7 (``onnx.version_converter``); ``CastLike`` nodes with ``saturate``/``round_mode`` become the equivalent ``Cast`` (the constant
+   folder would otherwise drop those attributes).
 1. ``Constant`` nodes become initializers (onnx-ir ``LiftConstantsToInitializersPass``); the
    initializer keeps the Constant's output name.
 2. Constant folding (onnxscript ``FoldConstantsPass``, which also inlines ``If`` nodes whose condition
@@ -12,7 +14,8 @@ order (each one documented at its function):
 3. Initializers listed as graph inputs are removed from the inputs (onnx-ir
    ``RemoveInitializersFromInputsPass``); nodes are topologically sorted (``TopologicalSortPass``).
 4. Trailing empty optional inputs are dropped (``Clip(x, "", "")`` -> ``Clip(x)``); domain
-   ``"ai.onnx"`` is spelled ``""``.
+   ``"ai.onnx"`` is spelled ``""``; scalar ``axes`` initializers of Unsqueeze/Squeeze become 1-D;
+   Constant nodes left (graph outputs) hold a ``value`` tensor attribute.
 5. ONNX shape inference (``onnx.shape_inference.infer_shapes``, ``data_prop=True``).
 6. ``auto_pad=SAME_UPPER|SAME_LOWER|VALID`` is resolved to explicit ``pads`` (needs static spatial
    input shapes; ONNX operator spec of Conv / ConvTranspose / MaxPool / AveragePool / LpPool).
@@ -119,6 +122,54 @@ def _ir_passes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # --------------------------------------------------------------------------------------------- proto passes
+def _upgrade_opset(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """Pass 0a: a model below ai.onnx opset 7 is converted to opset 7 with ONNX's version converter
+    (``onnx.version_converter.convert_version``), whose adapters rewrite the ops whose semantics changed
+    (e.g. the legacy ``broadcast``/``axis`` attributes of binary ops).
+
+    Raises:
+        ModelError: the version converter cannot convert the model (names the opset and its message).
+    """
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(model, 7)
+    except Exception as exc:  # the converter raises RuntimeError/ValidationError for missing adapters
+        raise ModelError(f"model {model.graph.name!r} uses ai.onnx opset {opset}; converting it to opset 7 "
+                         f"(the oldest the lifter handles) failed: {exc}") from exc
+
+
+def _castlike_to_cast(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Pass 0: ``CastLike`` with a ``saturate`` or ``round_mode`` attribute -> ``Cast(to=<type of the
+    second input>)`` with the same attributes (same semantics by the ONNX spec).
+
+    Needed because onnxscript's constant folder rewrites ``CastLike`` into a ``Cast`` that drops those
+    attributes (onnxscript ``_constant_folding.cast_like``), which changes float8 results.
+    Returns the model (a copy when something changed).
+    """
+    nodes = [n for n in model.graph.node if n.op_type == "CastLike" and n.domain in _STANDARD_DOMAINS
+             and any(a.name in ("saturate", "round_mode") for a in n.attribute)]
+    if not nodes:
+        return model
+    types = {}
+    typed = _infer(model)
+    for vi in list(typed.graph.input) + list(typed.graph.value_info) + list(typed.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for t in model.graph.initializer:
+        types[t.name] = t.data_type
+    out = _copy(model)
+    for node in out.graph.node:
+        if node.op_type != "CastLike" or node.domain not in _STANDARD_DOMAINS or len(node.input) < 2:
+            continue
+        if not any(a.name in ("saturate", "round_mode") for a in node.attribute) or node.input[1] not in types:
+            continue
+        node.op_type = "Cast"
+        _set_attr(node, "to", int(types[node.input[1]]))
+        del node.input[1:]
+    return out
+
+
 def _drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
     """Pass 4: ``Op(x, "", "")`` -> ``Op(x)`` (empty trailing optional inputs and outputs carry no
     information: an omitted optional output is one nobody asked for)."""
@@ -129,6 +180,60 @@ def _drop_trailing_empty_inputs(graph: onnx.GraphProto) -> None:
             del node.input[-1]
         while len(node.output) > 1 and node.output[-1] == "":
             del node.output[-1]
+
+
+#: op type -> input index of an ``axes`` tensor that ONNX Runtime also accepts as a scalar
+_AXES_INPUT = {"Unsqueeze": 1, "Squeeze": 1}
+
+
+def _scalar_axes_to_1d(graph: onnx.GraphProto) -> None:
+    """Pass 4b: an ``axes`` initializer of rank 0 (Unsqueeze/Squeeze) is replaced, for those nodes, by a
+    rank-1 copy ``<name>_1d`` (the form the spec documents); the scalar is dropped when nothing else
+    reads it."""
+    inits = {t.name: t for t in graph.initializer}
+    taken = _all_tensor_names(graph)
+    made: dict[str, str] = {}
+    for node in graph.node:
+        k = _AXES_INPUT.get(node.op_type)
+        if k is None or node.domain not in _STANDARD_DOMAINS or len(node.input) <= k:
+            continue
+        t = inits.get(node.input[k])
+        if t is None or len(t.dims) != 0:
+            continue
+        if t.name not in made:
+            name, j = f"{t.name}_1d", 1
+            while name in taken:
+                name, j = f"{t.name}_1d{j}", j + 1
+            taken.add(name)
+            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).reshape(1), name))
+            made[t.name] = name
+        node.input[k] = made[t.name]
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for old in made:
+        if old not in used:
+            graph.initializer.remove(inits[old])
+            keep = [v for v in graph.value_info if v.name != old]
+            del graph.value_info[:]
+            graph.value_info.extend(keep)
+
+
+_CONSTANT_ATTRS = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+                   "value_ints": np.int64}
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """Pass 4c: the Constant nodes left (those producing graph outputs) carry their value as a ``value``
+    tensor attribute (``value_int(s)``/``value_float(s)`` rewritten; same value and type by the spec),
+    the one form onnx2torch's Constant converter reads for every shape, the empty one included."""
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in _STANDARD_DOMAINS or len(node.attribute) != 1:
+            continue
+        a = node.attribute[0]
+        if a.name not in _CONSTANT_ATTRS:
+            continue
+        arr = np.asarray(helper.get_attribute_value(a), dtype=_CONSTANT_ATTRS[a.name])
+        _del_attr(node, a.name)
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(arr)))
 
 
 def _get_attr(node: onnx.NodeProto, name: str, default=None):
@@ -201,6 +306,8 @@ def _resolve_auto_pad(model: onnx.ModelProto) -> None:
         mode = mode.decode() if isinstance(mode, bytes) else mode
         if mode == "NOTSET":
             continue
+        if node.op_type == "ConvTranspose" and _get_attr(node, "output_shape") is not None:
+            continue  # the pads then follow from output_shape and the SAME_* mode: the converter does it
         x_shape = shapes.get(node.input[0])
         kernel = _get_attr(node, "kernel_shape")
         if kernel is None and node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 1:
@@ -395,18 +502,23 @@ def normalize_with_aliases(
         (constant subexpressions) or removed as dead code.
 
     Raises:
-        ModelError: ``model`` is not a ModelProto, or a pass needs information the model lacks.
+        ModelError: ``model`` is not a ModelProto, an opset < 7 model the version converter cannot
+            upgrade, or a pass needs information the model lacks.
     """
     if not isinstance(model, onnx.ModelProto):
         raise ModelError(f"normalize() takes an onnx.ModelProto, got {type(model).__name__}")
     before = _all_tensor_names(model.graph)
     identity_pairs = _identity_aliases(model.graph)
-    opset = _opset(model)
-    if opset < 7:
-        raise ModelError(f"model {model.graph.name!r} uses ai.onnx opset {opset}; opset >= 7 is supported")
+    standard = any(n.domain in _STANDARD_DOMAINS for n in model.graph.node)
+    opset = _opset(model) if standard or any(o.domain in _STANDARD_DOMAINS for o in model.opset_import) else None
+    work = _copy(model)
+    if opset is not None and opset < 7:
+        work = _upgrade_opset(work, opset)
 
-    out = _ir_passes(_copy(model))
+    out = _ir_passes(_castlike_to_cast(work))
     _drop_trailing_empty_inputs(out.graph)
+    _scalar_axes_to_1d(out.graph)
+    _constants_as_tensors(out.graph)
     out = _infer(out)
     _resolve_auto_pad(out)
     aliases: dict[str, str | None] = {}
@@ -457,7 +569,7 @@ def normalize(model: onnx.ModelProto, *, fold_batchnorm: bool = False) -> onnx.M
         A new ``onnx.ModelProto`` with ``value_info`` for every tensor shape inference can type.
 
     Raises:
-        ModelError: not a ModelProto, opset < 7, failing shape inference, or ``auto_pad=SAME_*`` on a
-            dynamic spatial shape.
+        ModelError: not a ModelProto, an opset < 7 model that cannot be upgraded to 7, failing shape
+            inference, or ``auto_pad=SAME_*`` on a dynamic spatial shape.
     """
     return normalize_with_aliases(model, fold_batchnorm=fold_batchnorm)[0]

@@ -40,6 +40,10 @@ class TensorRef:
         module: qualified submodule path (kinds "param" and "const").
         attr: parameter/buffer name inside ``module`` (kind "param").
         perm: permutation from the ONNX layout to the parameter's layout (kind "param").
+        scope: kind "node" only: ``None`` for a node of the top-level graph; for a tensor that exists
+            only inside an If / Loop / Scan subgraph, the qualified path of the subgraph's GraphModule
+            (e.g. ``"If_0.then_branch"``) whose graph holds node ``node_name``. Parameters and
+            constants inside subgraphs need no scope: their ``module`` path is already qualified.
     """
 
     kind: str
@@ -47,11 +51,13 @@ class TensorRef:
     module: str | None = None
     attr: str | None = None
     perm: tuple[int, ...] | None = None
+    scope: str | None = None
 
     def resolve(self, gm: fx.GraphModule):
-        """The fx.Node (kind "node"), the tensor (kind "param") or the module (kind "const")."""
+        """The fx.Node (kind "node"; in ``gm.get_submodule(scope).graph`` when scoped), the tensor
+        (kind "param") or the module (kind "const")."""
         if self.kind == "node":
-            return TensorMap.fx_node(gm, self.node_name)
+            return TensorMap.fx_node(gm.get_submodule(self.scope) if self.scope else gm, self.node_name)
         mod = gm.get_submodule(self.module)
         return getattr(mod, self.attr) if self.kind == "param" else mod
 
@@ -195,21 +201,33 @@ class TensorMap:
         graph: the :class:`ModelInfo` of the normalized ONNX model.
         aliases: tensor names of the *original* model that normalization removed -> surviving tensor
             with the same value, or ``None`` (folded/dead).
+        subgraphs: qualified path of each If / Loop / Scan subgraph GraphModule (any depth, e.g.
+            ``"If_0.then_branch"``) -> that subgraph's own :class:`TensorMap` (refs relative to it, its
+            :class:`ModelInfo` in ``.graph``). The top-level map also holds the subgraphs' tensors:
+            their parameters/constants under qualified module paths, and fx nodes of tensors the main
+            graph does not have as scoped refs (:attr:`TensorRef.scope`). :attr:`graph` describes the
+            main graph only.
     """
 
     def __init__(self, refs: Mapping[str, tuple[TensorRef, ...]], graph: ModelInfo,
-                 aliases: Mapping[str, str | None] | None = None):
+                 aliases: Mapping[str, str | None] | None = None,
+                 subgraphs: Mapping[str, "TensorMap"] | None = None):
         self._refs = {k: tuple(v) for k, v in refs.items()}
         self.graph = graph
         self.aliases: dict[str, str | None] = dict(aliases or {})
-        self._by_fx: dict[str, str] = {}
+        self.subgraphs: dict[str, TensorMap] = dict(subgraphs or {})
+        self._by_fx: dict[tuple[str | None, str], str] = {}
         self._by_param: dict[tuple[str, str], str] = {}
         for name, rs in self._refs.items():
             for r in rs:
                 if r.kind == "node":
-                    self._by_fx.setdefault(r.node_name, name)
+                    self._by_fx.setdefault((r.scope, r.node_name), name)
                 elif r.kind == "param":
                     self._by_param.setdefault((r.module, r.attr), name)
+
+    def __setstate__(self, state):  # maps pickled before ``subgraphs`` existed
+        self.__dict__.update(state)
+        self.__dict__.setdefault("subgraphs", {})
 
     # --- forward lookups
     def __contains__(self, name: str) -> bool:
@@ -244,13 +262,15 @@ class TensorMap:
         return self[name]
 
     def node_name(self, name: str) -> str | None:
-        """The fx node name carrying ONNX tensor ``name`` (``None`` if it only lives as a parameter/const)."""
-        return next((r.node_name for r in self[name] if r.kind == "node"), None)
+        """The top-level fx node name carrying ONNX tensor ``name`` (``None`` if it only lives as a
+        parameter/const, or only inside a subgraph)."""
+        return next((r.node_name for r in self[name] if r.kind == "node" and r.scope is None), None)
 
     # --- reverse lookups
-    def tensor_of_node(self, fx_node_name: str) -> str | None:
-        """ONNX tensor name carried by fx node ``fx_node_name`` (``None`` for fx-only nodes)."""
-        return self._by_fx.get(fx_node_name)
+    def tensor_of_node(self, fx_node_name: str, scope: str | None = None) -> str | None:
+        """ONNX tensor name carried by fx node ``fx_node_name`` of the top-level graph, or of the subgraph
+        GraphModule at path ``scope`` (``None`` for fx-only nodes)."""
+        return self._by_fx.get((scope, fx_node_name))
 
     def tensor_of_param(self, module: str, attr: str) -> str | None:
         """ONNX initializer name stored as parameter/buffer ``attr`` of submodule ``module``."""

@@ -223,3 +223,44 @@ def test_input_model_is_not_mutated():
 def test_normalize_rejects_non_models():
     with pytest.raises(ModelError):
         normalize(b"not a model")  # type: ignore[arg-type]
+
+
+def test_old_opset_models_are_upgraded_to_opset_7():
+    m = make_model([helper.make_node("Not", ["x"], ["y"])], [("x", onnx.TensorProto.BOOL, [2, 3])],
+                   [("y", onnx.TensorProto.BOOL, None)], opset=1, ir_version=3)
+    n = normalize(m)
+    assert n.opset_import[0].version == 7 and m.opset_import[0].version == 1  # the input is not mutated
+    x = RNG.integers(0, 2, (2, 3)).astype(bool)
+    np.testing.assert_array_equal(run_ort(n, {"x": x})[0], ~x)
+
+
+def test_castlike_with_saturate_becomes_cast_keeping_it():
+    node = helper.make_node("CastLike", ["x", "like"], ["y"], saturate=0)
+    m = make_model([node], [("x", F, [4])], [("y", onnx.TensorProto.FLOAT8E5M2, None)], opset=21)
+    m.graph.initializer.append(helper.make_tensor("like", onnx.TensorProto.FLOAT8E5M2, [0], []))
+    n = normalize(m)
+    (cast,) = [x for x in n.graph.node]
+    attrs = {a.name: helper.get_attribute_value(a) for a in cast.attribute}
+    assert cast.op_type == "Cast" and attrs == {"to": onnx.TensorProto.FLOAT8E5M2, "saturate": 0}
+
+
+def test_scalar_unsqueeze_axes_become_1d_without_touching_other_readers():
+    nodes = [helper.make_node("Unsqueeze", ["x", "ax"], ["u"]), helper.make_node("Add", ["u", "ax_f"], ["y"]),
+             helper.make_node("Cast", ["ax"], ["ax_f"], to=F)]
+    m = make_model(nodes, [("x", F, [2, 3])], [("y", F, None)], {"ax": np.array(1, np.int64)}, opset=13)
+    m.graph.output.append(helper.make_tensor_value_info("ax_f", F, None))
+    n = normalize(m)
+    inits = {t.name: t for t in n.graph.initializer}
+    unsq = next(x for x in n.graph.node if x.op_type == "Unsqueeze")
+    assert list(inits[unsq.input[1]].dims) == [1]
+    _same_outputs(m, n, {"x": _rand(2, 3)})
+
+
+def test_remaining_constant_nodes_hold_tensor_values():
+    m = make_model([helper.make_node("Shape", ["x"], ["y"], start=2, end=1)], [("x", F, [3, 4, 5])],
+                   [("y", onnx.TensorProto.INT64, None)], opset=21)
+    n = normalize(m)
+    for node in n.graph.node:
+        if node.op_type == "Constant":
+            assert [a.name for a in node.attribute] == ["value"]
+    _same_outputs(m, n, {"x": _rand(3, 4, 5)})

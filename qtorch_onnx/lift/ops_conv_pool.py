@@ -1,0 +1,368 @@
+"""Convolution and pooling converters (ONNX spec semantics, any spatial rank 1-3, asymmetric pads).
+
+* Conv / ConvTranspose at the versions onnx2torch lacks (22): onnx2torch's converter when the weight
+  (and bias) are initializers and it handles the attributes; otherwise a functional module taking W
+  and B as inputs (dynamic weights, ConvTranspose with asymmetric pads or ``output_shape``).
+* AveragePool-19/22, MaxPool-22 (with the Indices output and ``storage_order``), LpPool-1..22,
+  GlobalMaxPool, GlobalLpPool, MaxUnpool: windows are taken with ``Tensor.unfold`` on the explicitly
+  padded input, so dilations, asymmetric pads and ``ceil_mode`` follow the spec exactly (ONNX
+  ``ceil_mode``: the output size is rounded up, and a last window that would start in the end
+  padding is dropped); torch's own pooling is used where its semantics coincide (symmetric pads no
+  larger than half the kernel, no dilation for average pooling).
+
+``conv_nd`` / ``conv_transpose_nd`` are shared with the integer convolutions in ``ops_quant``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops_common import (
+    ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, get_converter, register_versions, result,
+)
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _torch_pad(pads: list[int], n: int) -> list[int]:
+    """ONNX ``[b_1..b_n, e_1..e_n]`` -> torch F.pad order (last axis first: ``[b_n, e_n, ..., b_1, e_1]``)."""
+    out = []
+    for i in reversed(range(n)):
+        out += [pads[i], pads[n + i]]
+    return out
+
+
+def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, strides, pads, dilations, group: int):
+    """ONNX Conv on ``x`` ``[N, C, *S]`` with ``w`` ``[M, C/group, *K]``: zero padding ``pads``
+    (``[b..., e...]``, negative values crop), then torch's convolution. Returns ``[N, M, *S_out]``."""
+    n = w.dim() - 2
+    if x.dim() != n + 2:
+        raise ValueError(f"Conv: input rank {x.dim()} does not match weight rank {w.dim()}")
+    if n not in _CONV:
+        raise ValueError(f"Conv: {n} spatial dimensions (supported: 1, 2, 3)")
+    if any(pads):
+        if all(p == pads[i % n] for i, p in enumerate(pads)) and min(pads) >= 0:
+            return _CONV[n](x, w, b, stride=strides, padding=pads[:n], dilation=dilations, groups=group)
+        x = F.pad(x, _torch_pad(pads, n))
+    return _CONV[n](x, w, b, stride=strides, padding=0, dilation=dilations, groups=group)
+
+
+def conv_transpose_nd(x, w, b, strides, pads, dilations, group, output_padding, output_shape=None, auto_pad="NOTSET"):
+    """ONNX ConvTranspose: full transposed convolution, ``output_padding`` zeros appended at the end of
+    each axis, then ``pads`` cropped (when ``output_shape`` is given the pads come from it: total =
+    full + output_padding - output_shape, split as the spec says for ``auto_pad``), then the bias."""
+    n = w.dim() - 2
+    y = _CONVT[n](x, w, None, stride=strides, padding=0, output_padding=0, groups=group, dilation=dilations)
+    full = list(y.shape[2:])
+    if any(output_padding):
+        y = F.pad(y, _torch_pad([0] * n + list(output_padding), n))
+    if output_shape:
+        out = list(output_shape)[-n:]
+        pads = [0] * (2 * n)
+        for i in range(n):
+            total = full[i] + output_padding[i] - out[i]
+            half = total // 2
+            if auto_pad == "SAME_UPPER":
+                pads[i], pads[n + i] = half, total - half
+            else:
+                pads[i], pads[n + i] = total - half, half
+    if any(pads):
+        y = F.pad(y, _torch_pad([-p for p in pads], n))
+    if b is not None:
+        y = y + b.reshape((1, -1) + (1,) * n)
+    return y
+
+
+def _conv_attrs(node: OnnxNode, n: int):
+    pads = list(attr(node, "pads", [0] * 2 * n))
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    if auto_pad not in ("NOTSET", "VALID") and node.operation_type != "ConvTranspose":
+        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
+                                     f"input shapes (normalization resolves it to pads when shapes are known)")
+    return (list(attr(node, "strides", [1] * n)), pads, list(attr(node, "dilations", [1] * n)),
+            attr(node, "group", 1), auto_pad)
+
+
+class OnnxConv(nn.Module, OnnxToTorchModule):
+    """ONNX Conv with W (and B) as inputs: x ``[N, C, *S]``, w ``[M, C/group, *K]``, b ``[M]``."""
+
+    def __init__(self, strides, pads, dilations, group):
+        super().__init__()
+        self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
+
+    def forward(self, x, w, b=None):  # noqa: D102
+        return conv_nd(x, w, b, self.strides, self.pads, self.dilations, self.group)
+
+
+class OnnxConvTranspose(nn.Module, OnnxToTorchModule):
+    """ONNX ConvTranspose with W (and B) as inputs: x ``[N, C, *S]``, w ``[C, M/group, *K]``, b ``[M]``;
+    ``output_padding``, ``output_shape``, asymmetric ``pads`` as :func:`conv_transpose_nd`."""
+
+    def __init__(self, strides, pads, dilations, group, output_padding, output_shape, auto_pad):
+        super().__init__()
+        self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
+        self.output_padding, self.output_shape, self.auto_pad = output_padding, output_shape, auto_pad
+
+    def forward(self, x, w, b=None):  # noqa: D102
+        pads = self.pads
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER") and not self.output_shape:
+            n = w.dim() - 2
+            out = [x.shape[2 + i] * self.strides[i] for i in range(n)]
+            return conv_transpose_nd(x, w, b, self.strides, pads, self.dilations, self.group, self.output_padding,
+                                     out, self.auto_pad)
+        return conv_transpose_nd(x, w, b, self.strides, pads, self.dilations, self.group, self.output_padding,
+                                 self.output_shape, self.auto_pad)
+
+
+def _rank_of_weight(node: OnnxNode, graph: OnnxGraph, index: int = 1) -> int:
+    name = node.input_values[index]
+    if name in graph.initializers:
+        return len(graph.initializers[name].proto.dims) - 2
+    vi = graph.value_info.get(name)
+    if vi is not None and vi.type.tensor_type.HasField("shape"):
+        return len(vi.type.tensor_type.shape.dim) - 2
+    k = attr(node, "kernel_shape")
+    if k is None:
+        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: the rank of weight {name!r} is unknown")
+    return len(k)
+
+
+def _conv(node: OnnxNode, graph: OnnxGraph):
+    n = _rank_of_weight(node, graph)
+    strides, pads, dil, group, auto_pad = _conv_attrs(node, n)
+    consts = all(v in graph.initializers for v in node.input_values[1:] if v)
+    if consts and auto_pad == "NOTSET" and n in (1, 2, 3):
+        return get_converter(operation_type="Conv", version=11)(node, graph)
+    return result(OnnxConv(strides, pads, dil, group), node)
+
+
+def _conv_transpose(node: OnnxNode, graph: OnnxGraph):
+    n = _rank_of_weight(node, graph)
+    strides, pads, dil, group, auto_pad = _conv_attrs(node, n)
+    out_pad = list(attr(node, "output_padding", [0] * n))
+    out_shape = attr(node, "output_shape")
+    consts = all(v in graph.initializers for v in node.input_values[1:] if v)
+    symmetric = pads[:n] == pads[n:]
+    if consts and symmetric and out_shape is None and auto_pad == "NOTSET" and \
+            all(o < max(s, d) for o, s, d in zip(out_pad, strides, dil)):
+        return get_converter(operation_type="ConvTranspose", version=11)(node, graph)
+    return result(OnnxConvTranspose(strides, pads, dil, group, out_pad, out_shape, auto_pad), node)
+
+
+register_versions("Conv", 22, _conv)
+register_versions("ConvTranspose", 22, _conv_transpose)
+
+
+# ============================================================================================ pooling
+def pool_geometry(in_sizes, kernel, strides, pads, dilations, ceil_mode: bool):
+    """ONNX pooling output sizes and the end padding actually needed (``ceil_mode`` extra).
+
+    ``out = floor_or_ceil((in + b + e - ((k - 1) d + 1)) / s) + 1``; with ``ceil_mode`` a last window
+    starting at or after ``in + b`` is dropped. Returns ``(out_sizes, extra_end)``.
+    """
+    outs, extra = [], []
+    n = len(in_sizes)
+    for i in range(n):
+        eff = (kernel[i] - 1) * dilations[i] + 1
+        span = in_sizes[i] + pads[i] + pads[n + i] - eff
+        o = (-(-span // strides[i]) if ceil_mode else span // strides[i]) + 1
+        if ceil_mode and (o - 1) * strides[i] >= in_sizes[i] + pads[i]:
+            o -= 1
+        outs.append(max(o, 0))
+        need = (o - 1) * strides[i] + eff
+        extra.append(max(0, need - (in_sizes[i] + pads[i] + pads[n + i])))
+    return outs, extra
+
+
+def windows(x: torch.Tensor, kernel, strides, dilations) -> torch.Tensor:
+    """``[N, C, *S]`` (already padded) -> ``[N, C, *out, K]`` sliding windows, K = prod(kernel)."""
+    n = len(kernel)
+    for i in range(n):
+        eff = (kernel[i] - 1) * dilations[i] + 1
+        x = x.unfold(2 + i, eff, strides[i])
+        if dilations[i] > 1:
+            x = x[..., :: dilations[i]]
+    return x.flatten(start_dim=2 + n)
+
+
+def _padded(x, pads, extra, value, n):
+    full = list(pads[:n]) + [pads[n + i] + extra[i] for i in range(n)]
+    return F.pad(x, _torch_pad(full, n), value=value) if any(full) else x
+
+
+class OnnxPool(nn.Module, OnnxToTorchModule):
+    """ONNX AveragePool / MaxPool / LpPool on ``[N, C, *S]`` (see the module docstring).
+
+    ``kind``: ``avg`` (``count_include_pad``: explicit pads count in the divisor, the ceil-mode extra
+    does not), ``max`` (optionally returning int64 Indices into the flattened input, row-major or,
+    with ``storage_order=1``, column-major spatial order), ``lp`` (``(sum |x|^p)^(1/p)``).
+    """
+
+    def __init__(self, kind, kernel, strides, pads, dilations, ceil_mode, count_include_pad=0, p=2,
+                 storage_order=0, n_outputs=1):
+        super().__init__()
+        self.kind, self.kernel, self.strides, self.pads = kind, list(kernel), list(strides), list(pads)
+        self.dilations, self.ceil_mode, self.count_include_pad = list(dilations), bool(ceil_mode), bool(count_include_pad)
+        self.p, self.storage_order, self.n_outputs = p, storage_order, n_outputs
+
+    def _fast(self, x):
+        n = len(self.kernel)
+        sym = self.pads[:n] == self.pads[n:] and all(2 * p <= k for p, k in zip(self.pads[:n], self.kernel))
+        if not sym or n not in (1, 2, 3) or self.n_outputs > 1:
+            return None
+        if self.kind == "max":
+            fn = getattr(F, f"max_pool{n}d")
+            return fn(x, self.kernel, self.strides, self.pads[:n], self.dilations, ceil_mode=self.ceil_mode)
+        if self.kind == "avg" and all(d == 1 for d in self.dilations):
+            fn = getattr(F, f"avg_pool{n}d")
+            return fn(x, self.kernel, self.strides, self.pads[:n], ceil_mode=self.ceil_mode,
+                      count_include_pad=self.count_include_pad)
+        return None
+
+    def forward(self, x: torch.Tensor):  # noqa: D102
+        y = self._fast(x) if x.is_floating_point() else None
+        if y is not None:
+            return y
+        n = len(self.kernel)
+        sizes = list(x.shape[2:])
+        outs, extra = pool_geometry(sizes, self.kernel, self.strides, self.pads, self.dilations, self.ceil_mode)
+        if self.kind == "max":
+            low = torch.finfo(x.dtype).min if x.is_floating_point() else torch.iinfo(x.dtype).min
+            xp = _padded(x, self.pads, extra, float("-inf") if x.is_floating_point() else low, n)
+            w = windows(xp, self.kernel, self.strides, self.dilations)
+            val, arg = w.max(dim=-1)
+            if self.n_outputs == 1:
+                return val
+            idx = torch.arange(math.prod(sizes), device=x.device).reshape([1, 1] + sizes)
+            if self.storage_order == 1:
+                idx = torch.arange(math.prod(sizes), device=x.device).reshape(list(reversed(sizes)))
+                idx = idx.permute(list(reversed(range(n)))).reshape([1, 1] + sizes)
+            idx = _padded(idx, self.pads, extra, -1, n)
+            iw = windows(idx.expand(x.shape[0], x.shape[1], *idx.shape[2:]), self.kernel, self.strides, self.dilations)
+            ind = torch.gather(iw, -1, arg.unsqueeze(-1)).squeeze(-1)
+            base = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(x.shape[0], x.shape[1], *([1] * n))
+            return val, ind + base * math.prod(sizes)
+        xp = _padded(x, self.pads, extra, 0.0, n)
+        w = windows(xp, self.kernel, self.strides, self.dilations)
+        if self.kind == "lp":
+            return w.abs().pow(self.p).sum(dim=-1).pow(1.0 / self.p)
+        ones = torch.ones([1, 1] + sizes, dtype=x.dtype, device=x.device)
+        mask = F.pad(ones, _torch_pad(list(self.pads[:n]) + list(self.pads[n:]), n),
+                     value=1.0 if self.count_include_pad else 0.0)
+        mask = F.pad(mask, _torch_pad([0] * n + extra, n), value=0.0)
+        cnt = windows(mask, self.kernel, self.strides, self.dilations).sum(dim=-1)
+        return w.sum(dim=-1) / cnt
+
+
+def _pool_converter(kind: str):
+    def convert(node: OnnxNode, graph: OnnxGraph):
+        kernel = attr(node, "kernel_shape")
+        if kernel is None:
+            raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: kernel_shape is required")
+        n = len(kernel)
+        auto_pad = attr(node, "auto_pad", "NOTSET")
+        if auto_pad not in ("NOTSET", "VALID"):
+            raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
+                                         f"input shapes (normalization resolves it to pads when shapes are known)")
+        pads = [0] * (2 * n) if auto_pad == "VALID" else list(attr(node, "pads", [0] * 2 * n))
+        so = attr(node, "storage_order", 0)
+        mod = OnnxPool(kind, kernel, attr(node, "strides", [1] * n), pads, attr(node, "dilations", [1] * n),
+                       attr(node, "ceil_mode", 0), attr(node, "count_include_pad", 0), attr(node, "p", 2), so,
+                       len(node.output_values))
+        return result(mod, node)
+
+    return convert
+
+
+register_versions("AveragePool", 19, _pool_converter("avg"))
+register_versions("MaxPool", 22, _pool_converter("max"))
+register_versions("LpPool", 11, _pool_converter("lp"))
+
+
+class OnnxGlobalPool(nn.Module, OnnxToTorchModule):
+    """ONNX GlobalMaxPool / GlobalAveragePool / GlobalLpPool: reduce all spatial axes, keep them as 1."""
+
+    def __init__(self, kind: str, p: int = 2):
+        super().__init__()
+        self.kind, self.p = kind, p
+
+    def forward(self, x):  # noqa: D102
+        dims = tuple(range(2, x.dim()))
+        if self.kind == "max":
+            return x.amax(dim=dims, keepdim=True)
+        if self.kind == "avg":
+            return x.mean(dim=dims, keepdim=True)
+        return x.abs().pow(self.p).sum(dim=dims, keepdim=True).pow(1.0 / self.p)
+
+
+register_versions("GlobalMaxPool", 1, lambda node, graph: result(OnnxGlobalPool("max"), node))
+register_versions("GlobalLpPool", 2, lambda node, graph: result(OnnxGlobalPool("lp", attr(node, "p", 2)), node))
+
+
+class OnnxMaxUnpool(nn.Module, OnnxToTorchModule):
+    """ONNX MaxUnpool-9/11/22: scatter X ``[N, C, *S]`` into zeros at the flat Indices (over the whole
+    tensor of the inferred shape ``(S - 1) * stride + kernel - pad_b - pad_e`` per spatial axis, as
+    MaxPool writes them). An ``output_shape`` input only enlarges the result: the inferred-shape result
+    sits at its start, zeros elsewhere (the behavior of ONNX's reference implementation and backend
+    test; ONNX Runtime instead reads the indices in the output_shape layout)."""
+
+    def __init__(self, kernel, strides, pads):
+        super().__init__()
+        self.kernel, self.strides, self.pads = kernel, strides, pads
+
+    def forward(self, x, indices, output_shape=None):  # noqa: D102
+        n = len(self.kernel)
+        shape = list(x.shape[:2]) + [(x.shape[2 + i] - 1) * self.strides[i] + self.kernel[i]
+                                     - self.pads[i] - self.pads[n + i] for i in range(n)]
+        y = torch.zeros(math.prod(shape), dtype=x.dtype, device=x.device)
+        y = y.scatter(0, indices.reshape(-1).to(torch.int64), x.reshape(-1)).reshape(shape)
+        if output_shape is not None:
+            out = [int(v) for v in output_shape.tolist()]
+            y = F.pad(y, _torch_pad([0] * len(out) + [o - s for o, s in zip(out, shape)], len(out)))
+        return y
+
+
+def _max_unpool(node: OnnxNode, graph: OnnxGraph):
+    kernel = attr(node, "kernel_shape")
+    n = len(kernel)
+    return result(OnnxMaxUnpool(kernel, attr(node, "strides", [1] * n), attr(node, "pads", [0] * 2 * n)), node)
+
+
+register_versions("MaxUnpool", 9, _max_unpool)
+
+
+class OnnxCausalConvWithState(nn.Module, OnnxToTorchModule):
+    """ONNX CausalConvWithState-27: depthwise causal 1-D convolution of x ``[B, C, L]`` with w ``[C, 1, k]``
+    over ``concat(past_state or zeros [B, C, k-1], x)``; optional bias ``[C]`` and fused SiLU
+    (``activation`` silu/swish). Outputs y ``[B, C, L]`` and present_state, the last k-1 positions of the
+    concatenated sequence."""
+
+    def __init__(self, activation: str, n_outputs: int):
+        super().__init__()
+        self.activation, self.n_outputs = activation, n_outputs
+
+    def forward(self, x, w, b=None, past_state=None):  # noqa: D102
+        k = w.shape[-1]
+        if past_state is None:
+            past_state = torch.zeros(x.shape[0], x.shape[1], k - 1, dtype=x.dtype, device=x.device)
+        full = torch.cat([past_state, x], dim=2)
+        y = F.conv1d(full, w, b, groups=x.shape[1])
+        if self.activation in ("silu", "swish"):
+            y = F.silu(y)
+        present = full[:, :, full.shape[2] - (k - 1):]
+        return y if self.n_outputs == 1 else (y, present)
+
+
+def _causal_conv(node: OnnxNode, graph: OnnxGraph):
+    act = attr(node, "activation", "none")
+    if act not in ("silu", "swish", "none"):
+        raise ConversionNotSupported(f"CausalConvWithState node {node.name!r}: activation={act!r} "
+                                     f"(valid: silu, swish, none)")
+    return result(OnnxCausalConvWithState(act, len(node.output_values)), node)
+
+
+register_versions("CausalConvWithState", 27, _causal_conv)
