@@ -332,14 +332,14 @@ def workaround(domain: str, op_type: str, reason: str) -> str:
         return "training ops are not lifted: export the inference graph (training_mode=0, no optimizer ops)"
     if op_type in _RANDOM_OPS:
         return "random ops are not lifted (their values cannot match ONNX Runtime's): feed the random tensor as an input"
+    if "cannot turn into a buffer" in reason:
+        return ("store that initializer in a numpy type (float32 / int8, with a Cast node if needed) or feed it as a "
+                "graph input; holding such initializers needs a lifter change")
     if "must be a constant" in reason or "Dynamic value" in reason or "initializer" in reason:
         return "make that input a constant (an initializer), e.g. by fixing the input shapes and re-running normalize()"
     if "auto_pad" in reason or "static" in reason:
         return ("give the model static input shapes (python -m onnxruntime.tools.make_dynamic_shape_fixed) so "
                 "normalization can resolve it")
-    if "cannot turn into a buffer" in reason:
-        return ("store that initializer in a numpy type (float32 / int8, with a Cast node if needed) or feed it as a "
-                "graph input; holding such initializers needs a lifter change")
     if "onnx2torch's" in reason:
         return "the lifter needs to apply this override before onnx2torch converts the node (not yet done); " + register
     if reason == "no converter":

@@ -429,3 +429,13 @@ def test_com_microsoft_16bit_qdq_matches_ort():
                    {"s": np.array(0.001, np.float32), "z": np.array(30000, np.uint16)}, opset=17)
     m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     _check(m, {"x": _rand(2, 5) * 20}, exact=True)
+
+
+def test_int4_initializer_is_reported_not_crashing():
+    node = helper.make_node("DequantizeLinear", ["w", "s"], ["y"], name="dq")
+    m = make_model([node, helper.make_node("Add", ["y", "x"], ["z"])], [("x", F, [4])], [("z", F, None)],
+                   {"s": np.array(0.5, np.float32)}, opset=21)
+    m.graph.initializer.append(helper.make_tensor("w", TensorProto.INT4, [4], [1, -2, 3, 7]))
+    with pytest.raises(UnsupportedOpsError, match="element type INT4") as info:
+        lift(m)
+    assert info.value.ops[0][3] == ["dq"] and "graph input" in str(info.value)
