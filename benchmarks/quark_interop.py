@@ -543,7 +543,7 @@ def probe_model(model) -> Tuple[object, Dict[str, str]]:
     return m, exposed
 
 
-def isolated_model(model) -> Tuple[object, Dict[str, Tuple[str, ...]], Dict[str, str], List[dict]]:
+def isolated_model(model) -> Tuple[object, Dict[str, str], Dict[str, str], List[dict]]:
     """A model holding only the operator library's nodes, each fed by its own graph inputs.
 
     An input produced by another library node (a Q -> DQ pair) stays connected, so a bfloat16 code never has
@@ -1092,8 +1092,9 @@ def write_report(path: Path, env: QuarkEnv, d1: List[Case], d2: List[Case], benc
         "## Direction 2: models Quark quantizes, run under Quark's library and ours",
         "Quark's `ModelQuantizer(Config(global_quant_config=get_default_config(NAME))).quantize_model(...)` on the "
         "same float models with 4 calibration samples (`A32W8`: `QuantizationConfig(MinMax, "
-        "ExtendedQuantFormat.QDQ, activation_type=QInt32, weight_type=QInt8)`); Quark's defaults as they are "
-        "(CLE, graph optimization, bias quantized with the block format).",
+        "ExtendedQuantFormat.QDQ, activation_type=QInt32, weight_type=QInt8)`); everything else as Quark does it "
+        "by default (it folds BatchNormalization and also quantizes biases, with the block format for block "
+        "configs, hence other node counts than direction 1).",
         "",
         *_case_rows(d2),
         "",
