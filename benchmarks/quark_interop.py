@@ -324,16 +324,15 @@ def _worker(job_path: str) -> int:
 # main side (this project's environment)
 # ==========================================================================================================
 def _cache_root() -> Path:
-    env = os.environ.get("QTORCH_ONNX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qtorch_onnx"
+    from qtorch_onnx.cache import cache_root  # main side only: Quark's venv has no qtorch_onnx
+
+    return cache_root()
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from qtorch_onnx.cache import sha256_file
+
+    return sha256_file(path)
 
 
 def _device() -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
+from qtorch_onnx.cache import cache_root, sha256_file
 from qtorch_onnx.errors import UnsupportedFeatureError
 
 __all__ = [
@@ -96,9 +97,7 @@ class BuildResult:
 def cache_dir() -> Path:
     """The library cache: ``$QTORCH_ONNX_CACHE/ort_ops`` if that variable is set and non-empty, else
     ``~/.cache/qtorch_onnx/ort_ops`` (the same root as the model zoo's cache)."""
-    env = os.environ.get("QTORCH_ONNX_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "qtorch_onnx"
-    return root / "ort_ops"
+    return cache_root() / "ort_ops"
 
 
 def _source_files() -> List[Path]:
@@ -173,21 +172,13 @@ def _run(cmd: Sequence[str], step: str, hint: str, cwd: Optional[Path] = None, v
 # ----------------------------------------------------------------------------------------------------------
 # headers
 # ----------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _valid_include(d: Path) -> bool:
     return d.joinpath(*_CXX_API).is_file() or (d / "onnxruntime_cxx_api.h").is_file()
 
 
 def _download_wheel(downloads: Path, verbose: bool) -> Path:
     wheel = downloads / QUARK_WHEEL_NAME
-    if wheel.is_file() and _sha256(wheel) == QUARK_WHEEL_SHA256:
+    if wheel.is_file() and sha256_file(wheel) == QUARK_WHEEL_SHA256:
         return wheel
     downloads.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads))
@@ -201,7 +192,7 @@ def _download_wheel(downloads: Path, verbose: bool) -> Path:
         if len(got) != 1:
             raise LibraryBuildError(f"pip download {QUARK_REQUIREMENT} produced {[p.name for p in got]}, expected "
                                     f"{QUARK_WHEEL_NAME}")
-        digest = _sha256(got[0])
+        digest = sha256_file(got[0])
         if digest != QUARK_WHEEL_SHA256:
             raise LibraryBuildError(f"checksum mismatch for {got[0].name}: SHA-256 {digest}, expected "
                                     f"{QUARK_WHEEL_SHA256}; the file was not used. Check the package index "

