@@ -51,12 +51,11 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         raise ConfigError(f"block quantize-dequantize: unknown backend {backend!r}; valid: {BACKENDS}")
     if backend == "reference":
         return backend
-    on_device = isinstance(x, torch.Tensor) and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     if backend == "auto":
         return "triton" if isinstance(x, torch.Tensor) and x.is_cuda and _triton_available() else "reference"
     if not _triton_available():
         raise UnsupportedFeatureError("backend='triton' needs the triton package (pip install triton)")
-    if not on_device:
+    if not (isinstance(x, torch.Tensor) and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
         raise UnsupportedFeatureError(f"backend='triton' needs a CUDA tensor (got one on {x.device}) or "
                                       "TRITON_INTERPRET=1 for the CPU interpreter; use backend='reference'")
     return backend

@@ -108,19 +108,26 @@ def _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, jmask, BF16: tl.constexpr)
     return x, offs, valid
 
 
+@triton.jit
+def block_tile(n_blk, BLOCK_SIZE: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
+    """This program's tile: ``rows`` (ROWS row indices), ``j`` (0..BS-1 within the block) and ``a`` (the
+    block's positions along the axis), from ``program_id(0) = row_tile * n_blk + block``."""
+    pid = tl.program_id(0)
+    pid_b = pid % n_blk
+    pid_r = pid // n_blk
+    rows = pid_r * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, BS)
+    return rows, j, pid_b * BLOCK_SIZE + j
+
+
 # ------------------------------------------------------------------------------------------ kernel
 @triton.jit
 def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
                 M: tl.constexpr, MODE: tl.constexpr, PRIME: tl.constexpr, SUB: tl.constexpr,
                 SHIFT_MAX: tl.constexpr, BF16: tl.constexpr, WRITE_MASK: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_b = pid % n_blk
-    pid_r = pid // n_blk
-    rows = pid_r * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, BS)
+    rows, j, a = block_tile(n_blk, BLOCK_SIZE, BS, ROWS)
     jmask = j < BLOCK_SIZE
-    a = pid_b * BLOCK_SIZE + j
     x, offs, valid = _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, jmask, BF16)
     e = exponent_field(x)
     qmax: tl.constexpr = (1 << M) - 1
@@ -129,7 +136,7 @@ def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
         # sub-block maxima without a reshape: reload the SUB members of each element's sub-block
         e_sub = tl.full(e.shape, 0, tl.int32)
         for t in tl.static_range(SUB):
-            a_t = pid_b * BLOCK_SIZE + (j // SUB) * SUB + t
+            a_t = (a - j) + (j // SUB) * SUB + t
             x_t, _, _ = _load_tile(x_ptr, rows, n_rows, n_axis, inner, a_t, jmask, BF16)
             e_sub = tl.maximum(e_sub, exponent_field(x_t))
         shift = tl.minimum(shared - e_sub, SHIFT_MAX)

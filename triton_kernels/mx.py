@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 try:  # installed as qtorch_onnx.triton_kernels, or imported from the repository root as triton_kernels
-    from .bfp import check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from .bfp import block_tile, check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 except ImportError:  # pragma: no cover
-    from bfp import check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
+    from bfp import block_tile, check_input_dtype, row_max, _load_tile, apply_sign, block_view, div_pow2, exp2i, exponent_field, round_magnitude, tile_rows
 
 __all__ = ["mx_quantize_dequantize_triton"]
 
@@ -25,12 +25,7 @@ def _mx_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
                IS_INT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
                MAX_NORM: tl.constexpr, MODE: tl.constexpr, WRITE_MASK: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_b = pid % n_blk
-    pid_r = pid // n_blk
-    rows = pid_r * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, BS)
-    a = pid_b * BLOCK_SIZE + j
+    rows, j, a = block_tile(n_blk, BLOCK_SIZE, BS, ROWS)
     x, offs, valid = _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, j < BLOCK_SIZE, False)
     e = exponent_field(x)
     special = e == 255
