@@ -25,6 +25,12 @@ The ``com.amd.quark`` nodes run in ONNX Runtime with the project's operator libr
 The producer's output of a quantized activation ``T`` is renamed ``T_QuantizeInput``; the DequantizeLinear
 (or last node of the Cast form) writes ``T`` again, so consumers, graph outputs and value_info keep their
 names.
+
+Two quantizer kinds on one tensor (precision boundaries of layer-wise mixed precision,
+``placement.QuantSpec.consumer``): a consumer-side quantizer of ``T`` for node ``N`` is written right before
+``N`` and only ``N`` reads its output ``<T>_<N>_Output``; its input is ``T`` after ``T``'s own quantizer
+(``DualQuantNodes``: e.g. ``ExtendedQuantizeLinear -> ExtendedDequantizeLinear -> BFPQuantizeDequantize ->
+Conv``) or the float ``T`` (``T_QuantizeInput``) beside it.
 """
 from __future__ import annotations
 
@@ -158,7 +164,10 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     qmap: Dict[str, QuantizerNodes] = {}
     consumers_rewire: Dict[str, str] = {}
 
+    edge_fqs = {k: fq for k, fq in fqs.items() if fq.consumer is not None}
     for tensor, fq in fqs.items():
+        if fq.consumer is not None:
+            continue
         fmt = fq.fmt
         if not fq.calibrated:
             raise ExportError(f"quantizer on tensor {tensor!r} is not calibrated: run calibrate() before export")
@@ -193,6 +202,24 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
                 front.extend(nodes)
         qmap[tensor] = qn
 
+    # consumer-side quantizers (precision boundaries): nodes right before their consumer, which reads their output
+    before: Dict[str, List[onnx.NodeProto]] = {}
+    edge_rewire: Dict[str, Dict[str, str]] = {}
+    for key, fq in edge_fqs.items():
+        tensor = fq.tensor_name
+        if not fq.calibrated:
+            raise ExportError(f"quantizer {key!r} is not calibrated: run calibrate() before export")
+        own = qmap.get(tensor)
+        read = consumers_rewire.get(tensor, tensor)  # what the consumer reads after the own quantizer
+        src = own.input if (own is not None and not fq.chained) else read
+        base = safe_name(f"{tensor}_{fq.consumer}")
+        out = f"{base}_Output"
+        nodes, new_inits, qn = _activation_nodes(key, base, src, out, fq, qdomain)
+        graph.initializer.extend(new_inits)
+        before.setdefault(fq.consumer, []).extend(nodes)
+        edge_rewire.setdefault(fq.consumer, {})[read] = out
+        qmap[key] = qn
+
     # rebuild the node list: inserted nodes right after their producers (keeps topological order)
     ordered: List[onnx.NodeProto] = list(front)
     for n in graph.node:
@@ -200,6 +227,10 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
             for k, i in enumerate(n.input):
                 if i in consumers_rewire:
                     n.input[k] = consumers_rewire[i]
+        if n.name in edge_rewire:
+            for k, i in enumerate(n.input):
+                n.input[k] = edge_rewire[n.name].get(i, i)
+        ordered.extend(before.get(n.name, []))
         ordered.append(n)
         ordered.extend(new_nodes.get(n.name, []))
     for o in graph.output:

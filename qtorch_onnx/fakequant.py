@@ -45,6 +45,10 @@ class FakeQuantize(nn.Module):
             ActivationScaled, NUMERICS.md section 3) instead of 1.0.
         onnx_axis: the same axis in the ONNX tensor's layout (export uses it); defaults to ``axis``.
         power_of_two: integer scales from a range are powers of two (NonOverflow rule, NUMERICS.md section 1).
+        consumer: None for a tensor's own quantizer; the ONNX node name for a consumer-side quantizer that
+            only that node's reads pass through (layer-wise mixed precision, ``placement.QuantSpec``).
+        chained: consumer-side only: it reads the output of the tensor's own quantizer (``DualQuantNodes``)
+            rather than the float tensor.
 
     Buffers:
         scale: float32, shape ``[]`` (per tensor) or ``[C]`` (per channel).
@@ -67,6 +71,8 @@ class FakeQuantize(nn.Module):
         scaled: bool = False,
         onnx_axis: Optional[int] = None,
         power_of_two: bool = False,
+        consumer: Optional[str] = None,
+        chained: bool = False,
     ) -> None:
         super().__init__()
         if role not in ROLES:
@@ -81,6 +87,8 @@ class FakeQuantize(nn.Module):
         self.observer = observer
         self.scaled = scaled
         self.power_of_two = power_of_two
+        self.consumer = consumer
+        self.chained = chained
         self.mode = "float"
         #: BF16/FP16 export form (NUMERICS.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
         #: ExtendedDequantizeLinear, dividing by the scale) or "cast" (BF16QDQToCast: Mul by float32(1/scale)
@@ -94,6 +102,11 @@ class FakeQuantize(nn.Module):
         self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)
 
     # ------------------------------------------------------------------ state
+    @property
+    def key(self) -> str:
+        """The placement key: ``tensor_name``, or ``"<tensor> -> <consumer>"`` for a consumer-side quantizer."""
+        return self.tensor_name if self.consumer is None else f"{self.tensor_name} -> {self.consumer}"
+
     @property
     def needs_calibration(self) -> bool:
         """True when the quantizer's parameters come from calibration data (integer and scaled float)."""
@@ -219,6 +232,8 @@ class FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"{self.fmt.name}, tensor={self.tensor_name!r}, role={self.role}, mode={self.mode}"
+        if self.consumer is not None:
+            s += f", consumer={self.consumer!r}"
         if self.axis is not None:
             s += f", axis={self.axis}"
         if isinstance(self.fmt, IntFormat):

@@ -24,6 +24,17 @@ Rules (ONNX Runtime's QDQ placement as extended by Quark; README "What gets quan
 * ``AlignEltwiseQuantType``: initializer inputs of element-wise ops take the activation format.
 * Range adjustments after calibration (NUMERICS.md section 2): the input of a Relu/Clip with a single
   consumer takes the Relu/Clip output range (``range_from``); Softmax outputs take [0, 1].
+* Layer-wise mixed precision (``AutoMixprecision`` with ``TargetQuantType`` and no accuracy target): the
+  in-scope nodes of ``TargetOpType`` (Conv, ConvTranspose, Gemm, MatMul by default) are *promoted*: their
+  weights take ``WeightTargetQuantType`` (default ``TargetQuantType``), their biases too when biases are
+  quantized (INT32 when both targets are integer), and their activation inputs ``ActTargetQuantType``.
+  Outputs keep the global activation format. An activation input read only by promoted nodes (and not a
+  graph output) simply takes the target format. An input on a *precision boundary* (also read by nodes
+  that keep the global format) keeps its own quantizer for those readers, and each promoted reader gets a
+  second, consumer-side quantizer on its edge (``QuantSpec.consumer``): applied to the float tensor
+  without ``DualQuantNodes``, or after the tensor's own quantizer with ``DualQuantNodes``, which then also
+  puts both kinds on the inputs read only by promoted nodes (``x -> Q/DQ(BF16) -> BFP -> Conv``: the
+  layout some backend compilers require, Quark's ``DualQuantNodes``).
 """
 from __future__ import annotations
 
@@ -80,6 +91,11 @@ class QuantSpec:
         range_from: after calibration take the calibrated range of this tensor (Relu/Clip adjustment).
         fixed_range: a range known a priori, e.g. (0.0, 1.0) for Softmax outputs.
         overrides: ONNX Runtime TensorQuantOverrides entries applied to this tensor (scale, zero_point).
+        consumer: None for the tensor's own quantizer (all readers see it). A node name for a
+            consumer-side quantizer that only that node's reads of ``tensor`` pass through (precision
+            boundaries of layer-wise mixed precision); such specs are keyed by :func:`edge_key`.
+        chained: consumer-side only: applied to the output of the tensor's own quantizer (True,
+            ``DualQuantNodes``) or to the float tensor (False).
     """
 
     tensor: str
@@ -94,6 +110,18 @@ class QuantSpec:
     range_from: Optional[str] = None
     fixed_range: Optional[Tuple[float, float]] = None
     overrides: Tuple[Tuple[str, object], ...] = ()
+    consumer: Optional[str] = None
+    chained: bool = False
+
+    @property
+    def key(self) -> str:
+        """The plan / quantizer key: the tensor name, or :func:`edge_key` for a consumer-side quantizer."""
+        return self.tensor if self.consumer is None else edge_key(self.tensor, self.consumer)
+
+
+def edge_key(tensor: str, consumer: str) -> str:
+    """Key of the consumer-side quantizer of ``tensor`` for node ``consumer``: ``"<tensor> -> <consumer>"``."""
+    return f"{tensor} -> {consumer}"
 
 
 @dataclass
@@ -148,16 +176,18 @@ class GraphInfo:
 
 @dataclass
 class Plan:
-    """The quantizers of a model: ``specs[tensor_name] -> QuantSpec`` (insertion order = graph order)."""
+    """The quantizers of a model: ``specs[key] -> QuantSpec`` (``QuantSpec.key``: the tensor name for a
+    tensor's own quantizer, :func:`edge_key` for a consumer-side one). Own quantizers come first, in graph
+    order, then the consumer-side ones."""
 
     specs: Dict[str, QuantSpec]
     info: GraphInfo
 
     def counts(self) -> Dict[str, int]:
-        """Number of quantized tensors per ``"<format> <role>"``."""
+        """Number of quantizers per ``"<format> <role>"`` (consumer-side ones: ``"<format> <role> (consumer-side)"``)."""
         out: Dict[str, int] = {}
         for s in self.specs.values():
-            key = f"{s.fmt.name} {s.role}"
+            key = f"{s.fmt.name} {s.role}" + ("" if s.consumer is None else " (consumer-side)")
             out[key] = out.get(key, 0) + 1
         return out
 
@@ -308,6 +338,10 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
             if t and info.is_float(t) and t not in folded:
                 add(act_spec(t))
 
+    amp = cfg.auto_mixprecision
+    if amp is not None and amp.l2_target is None and amp.top1_acc_target is None:
+        specs.update(_layerwise(model, info, cfg, specs, in_scope, folded))
+
     # tensor-wise mixed precision and ONNX Runtime's TensorQuantOverrides
     for t, fmt in cfg.tensor_precision.items():
         if t in specs:
@@ -359,21 +393,88 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
     # block formats: the block axis follows the reduction axis (CONFIG.md)
     for t, s in list(specs.items()):
         if isinstance(s.fmt, (BFPFormat, MXFormat)):
-            specs[t] = dataclasses.replace(s, axis=block_axis(info, t))
+            specs[t] = dataclasses.replace(s, axis=block_axis(info, s.tensor, s.consumer))
     return Plan(specs=specs, info=info)
 
 
-def block_axis(info: GraphInfo, tensor: str) -> int:
+def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
+               in_scope, folded: set) -> Dict[str, QuantSpec]:
+    """Layer-wise mixed precision (module docstring): updates ``specs`` (weights, biases, inputs read only by
+    promoted nodes) in place and returns the consumer-side specs, keyed by :func:`edge_key`."""
+    amp = cfg.auto_mixprecision
+    act_t = amp.act_target_quant_type or cfg.activation
+    w_t = amp.weight_target_quant_type or cfg.weight
+    dual = amp.dual_quant_nodes
+    target_ops = set(amp.target_op_type)
+    promoted = [n for n in model.graph.node if n.op_type in target_ops and in_scope(n)]
+    promoted_names = {n.name for n in promoted}
+    int_bias = cfg.int32_bias and isinstance(act_t, IntFormat) and isinstance(w_t, IntFormat)
+    edges: Dict[str, QuantSpec] = {}
+
+    def act(t: str, **kw) -> QuantSpec:
+        return QuantSpec(t, act_t, "activation", None, cfg.activation_symmetric, False, cfg.activation_scaled, **kw)
+
+    for n in promoted:
+        data_inputs = DATA_INPUTS.get(n.op_type)
+        for slot, t in enumerate(n.input):
+            if not t or not info.is_float(t) or t in folded:
+                continue
+            if data_inputs is not None and slot not in data_inputs:
+                continue
+            if t in info.initializers:
+                dims = tuple(info.initializers[t].dims)
+                if n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2:
+                    if not cfg.quantize_bias:
+                        continue
+                    if int_bias:
+                        specs[t] = QuantSpec(t, INT32, "bias", symmetric=True, bias_of=(n.input[0], n.input[1]))
+                    else:
+                        specs[t] = QuantSpec(t, w_t, "weight", symmetric=cfg.weight_symmetric,
+                                             narrow_range=cfg.weight_symmetric and isinstance(w_t, IntFormat),
+                                             scaled=cfg.weight_scaled)
+                    continue
+                axis = None
+                if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel \
+                        and isinstance(w_t, IntFormat):
+                    axis = _weight_axis(n, slot, len(dims))
+                sym = cfg.weight_symmetric
+                specs[t] = QuantSpec(t, w_t, "weight", axis=axis, symmetric=sym,
+                                     narrow_range=sym and isinstance(w_t, IntFormat) and w_t.signed,
+                                     scaled=cfg.weight_scaled)
+                continue
+            own = specs.get(t)
+            readers = info.consumers.get(t, [])
+            boundary = any(r not in promoted_names for r in readers) or t in info.graph_outputs
+            if own is not None and own.fmt == act_t:
+                continue  # already in the target format: no boundary
+            if own is None and boundary:
+                edges[edge_key(t, n.name)] = act(t, consumer=n.name, chained=False)
+            elif own is None or (not boundary and not dual):
+                specs[t] = act(t)
+            else:
+                edges[edge_key(t, n.name)] = act(t, consumer=n.name, chained=dual)
+    # INT32 biases of promoted nodes take the scale of the quantizer their node actually reads
+    for n in promoted:
+        if len(n.input) > 2 and n.input[2] in specs and specs[n.input[2]].bias_of is not None:
+            x, w = specs[n.input[2]].bias_of
+            if edge_key(x, n.name) in edges:
+                specs[n.input[2]] = dataclasses.replace(specs[n.input[2]], bias_of=(edge_key(x, n.name), w))
+    return edges
+
+
+def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None) -> int:
     """Block axis of a tensor for BFP/MX formats (CONFIG.md extra_options, block formats).
 
     MatMul A: last axis, B: second to last; Gemm A: 1 (0 when transA), B: 0 (1 when transB); Softmax:
-    its axis; Conv and everything else: axis 1; 1-D tensors: axis 0.
+    its axis; Conv and everything else: axis 1; 1-D tensors: axis 0. The first reader that decides wins;
+    with ``consumer`` (a consumer-side quantizer) only that reader counts.
     """
     shape = info.shape.get(tensor)
     ndim = len(shape) if shape is not None else 4
     if ndim <= 1:
         return 0
-    for cname in info.consumers.get(tensor, []):
+    readers = [consumer] if consumer is not None else info.consumers.get(tensor, [])
+    for cname in readers:
         n = info.nodes[cname]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         if n.op_type == "MatMul":

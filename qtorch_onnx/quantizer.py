@@ -75,11 +75,12 @@ class QuantizedModel(nn.Module):
         return self.gm(*inputs)
 
     def quantizers(self) -> Dict[str, FakeQuantize]:
-        """All quantizers, keyed by ONNX tensor name."""
+        """All quantizers, keyed like ``plan.specs``: the ONNX tensor name, or ``"<tensor> -> <node>"`` for a
+        consumer-side quantizer (:attr:`FakeQuantize.key`)."""
         out: Dict[str, FakeQuantize] = {}
         for m in self.modules():
             if isinstance(m, FakeQuantize):
-                out.setdefault(m.tensor_name, m)
+                out.setdefault(m.key, m)
         return out
 
     def set_mode(self, mode: str) -> "QuantizedModel":
@@ -166,7 +167,12 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     gm.add_module("quantizers", holder)
     graph = gm.graph
     nodes_by_name = {n.name: n for n in graph.nodes}
-    for tensor, spec in list(plan.specs.items()):
+    own_node: Dict[str, torch.fx.Node] = {}  # tensor -> fx node of its own quantizer
+    ordered = [k for k, s in plan.specs.items() if s.consumer is None] + \
+        [k for k, s in plan.specs.items() if s.consumer is not None]
+    for key in ordered:
+        spec = plan.specs[key]
+        tensor = spec.tensor
         refs = _refs(tm, tensor)
         if not refs:
             if tensor in plan.info.initializers:
@@ -185,7 +191,8 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
             torch_axis = list(param_refs[0].perm).index(spec.axis)
         fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
                           symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled,
-                          power_of_two=cfg.power_of_two and isinstance(spec.fmt, IntFormat))
+                          power_of_two=cfg.power_of_two and isinstance(spec.fmt, IntFormat), consumer=spec.consumer,
+                          chained=spec.chained)
         if isinstance(spec.fmt, FloatFormat):
             # BF16: Q/DQ form unless BF16QDQToCast; FP16: Q/DQ form unless scaled (Quark's FP16 Q/DQ
             # ignores the scale, so a scaled FP16 quantizer is written in the Cast form)
@@ -194,8 +201,11 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
-        holder.add_module(_safe(tensor), fq)
-        target = f"quantizers.{_safe(tensor)}"
+        holder.add_module(_safe(key), fq)
+        target = f"quantizers.{_safe(key)}"
+        if spec.consumer is not None:
+            _insert_consumer_side(gm, tm, spec, target, refs, own_node, nodes_by_name)
+            continue
         for ref in refs:
             if ref.kind == "param":
                 module = gm.get_submodule(ref.module)
@@ -205,6 +215,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
                 with graph.inserting_after(node):
                     q = graph.call_module(target, (node,))
                 node.replace_all_uses_with(q, delete_user_cb=lambda user, q=q: user is not q)
+                own_node[tensor] = q
     graph.lint()
     gm.recompile()
     qm = QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
@@ -216,6 +227,33 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     if device is not None:
         qm.to(device)
     return qm
+
+
+def _insert_consumer_side(gm: torch.fx.GraphModule, tm: Any, spec: QuantSpec, target: str, refs: list,
+                          own_node: Dict[str, torch.fx.Node], nodes_by_name: Dict[str, torch.fx.Node]) -> None:
+    """Put consumer-side quantizer ``target`` on the reads of ``spec.tensor`` by ONNX node ``spec.consumer``
+    only: ``consumer(own_q(x))`` becomes ``consumer(edge_q(own_q(x)))`` when ``spec.chained``, else
+    ``consumer(edge_q(x))``.
+
+    Raises:
+        ModelError: the consumer node or its reading of the tensor cannot be found in the lifted graph.
+    """
+    node_refs = [r for r in refs if r.kind == "node" and r.scope is None]
+    info = tm.graph.nodes.get(spec.consumer)
+    user = nodes_by_name.get(info.fx_node) if info is not None and info.fx_node else None
+    if not node_refs or user is None:
+        raise ModelError(f"consumer-side quantizer {spec.key!r}: node {spec.consumer!r} or its input {spec.tensor!r} "
+                         "has no counterpart in the lifted torch graph (lifting bug)")
+    raw = nodes_by_name[node_refs[0].node_name]
+    own = own_node.get(spec.tensor)
+    current = own if own is not None else raw
+    if current not in user.all_input_nodes:
+        raise ModelError(f"consumer-side quantizer {spec.key!r}: the lifted module of node {spec.consumer!r} does not "
+                         f"read tensor {spec.tensor!r} directly")
+    source = own if (own is not None and spec.chained) else raw
+    with gm.graph.inserting_before(user):
+        q = gm.graph.call_module(target, (source,))
+    user.replace_input_with(current, q)
 
 
 # ---------------------------------------------------------------------------------------------------------- calibrate

@@ -62,7 +62,7 @@ IMPLEMENTED: dict[str, bool] = {
     "block_formats": True,
     "fast_finetune": False,
     "auto_mixprecision": False,
-    "layerwise_mixprecision": False,
+    "layerwise_mixprecision": True,
     "cle": False,
     "qoperator_format": False,
 }

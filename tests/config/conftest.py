@@ -3,11 +3,13 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def gated_block_formats(monkeypatch):
-    """These tests exercise the feature gate with the block formats as the example of a gated feature; the
-    pipeline itself runs them now (tests/quant/test_block_quantizers.py), so the flag is switched off here."""
+    """These tests exercise the feature gate with the block formats and layer-wise mixed precision as the
+    examples of gated features; the pipeline itself runs both now (tests/quant/test_block_quantizers.py,
+    tests/quant/test_layerwise.py), so their flags are switched off here."""
     from qtorch_onnx.config import resolve
 
     monkeypatch.setitem(resolve.IMPLEMENTED, "block_formats", False)
+    monkeypatch.setitem(resolve.IMPLEMENTED, "layerwise_mixprecision", False)
 
 
 @pytest.fixture
