@@ -238,8 +238,9 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
             raise ExportError(f"graph input {o.name!r} is also a graph output; quantizing it is not supported")
     del graph.node[:]
     graph.node.extend(ordered)
-    if any(n.domain == QUARK_DOMAIN for n in ordered) and not any(o.domain == QUARK_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(QUARK_DOMAIN, 1))
+    for dom in (QUARK_DOMAIN, "com.microsoft"):
+        if any(n.domain == dom for n in ordered) and not any(o.domain == dom for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(dom, 1))
     if check:
         try:
             onnx.checker.check_model(model, full_check=True)
@@ -255,10 +256,25 @@ def safe_name(name: str) -> str:
     return name.replace(":", "_").replace("/", "_")
 
 
+def _as_imported(fq: FakeQuantize, scale: np.ndarray, zp: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point in the shapes an imported model stored them (``fq.qparam_shapes``, e.g. Quark's
+    ``[1]`` scale beside a ``[]`` zero point), when the element counts allow it."""
+    shapes = getattr(fq, "qparam_shapes", None)
+    if shapes is None:
+        return scale, zp
+    s_shape, z_shape = shapes
+    if int(np.prod(s_shape)) == scale.size:
+        scale = scale.reshape(s_shape)
+    if int(np.prod(z_shape)) == zp.size:
+        zp = zp.reshape(z_shape)
+    return scale, zp
+
+
 def _qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProto], str, str]:
     fmt: IntFormat = fq.fmt
     scale = fq.scale.detach().cpu().numpy().astype(np.float32)
     zp = fq.zero_point.detach().cpu().numpy().astype(fmt.numpy_dtype)
+    scale, zp = _as_imported(fq, scale, zp)
     s_name, z_name = f"{base}_scale", f"{base}_zero_point"
     return [numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)], s_name, z_name
 
@@ -272,11 +288,11 @@ def _block_node(base: str, src: str, out: str, fq: FakeQuantize) -> onnx.NodePro
     fmt = fq.fmt
     axis = {} if fq.onnx_axis is None else {"axis": int(fq.onnx_axis)}
     if isinstance(fmt, BFPFormat):
+        # every attribute, the prime-only ones too (as Quark writes them; ignored by "to_bfp")
         attrs = dict(bfp_method=fmt.bfp_method, bit_width=fmt.bit_width, block_size=fmt.block_size,
-                     rounding_mode=fmt.rounding_mode,
+                     rounding_mode=fmt.rounding_mode, sub_block_size=fmt.sub_block_size,
+                     sub_block_shift_bits=fmt.sub_block_shift_bits,
                      convert_to_bfloat_before_bfp=int(fmt.convert_to_bfloat_before_bfp))
-        if fmt.bfp_method == "to_bfp_prime":
-            attrs.update(sub_block_size=fmt.sub_block_size, sub_block_shift_bits=fmt.sub_block_shift_bits)
         return helper.make_node("BFPQuantizeDequantize", [src], [out], name=f"{base}_BFPQuantizeDequantize",
                                 domain=QUARK_DOMAIN, **attrs, **axis)
     return helper.make_node("MXQuantizeDequantize", [src], [out], name=f"{base}_MXQuantizeDequantize",
@@ -305,6 +321,7 @@ def _extended_qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProt
         zp = np.zeros(scale.shape, dtype=ml_dtypes.bfloat16)
     else:
         zp = np.zeros(scale.shape, dtype=np.float16)
+    scale, zp = _as_imported(fq, scale, zp)
     return [numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)], s_name, z_name
 
 
@@ -319,7 +336,7 @@ def _activation_nodes(tensor, base, src, out, fq: FakeQuantize, qdomain):
         ext = _uses_extended(fq)
         inits, s, z = _extended_qparam_inits(base, fq) if ext else _qparam_inits(base, fq)
         q_op, dq_op = ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear") if ext else ("QuantizeLinear", "DequantizeLinear")
-        domain = QUARK_DOMAIN if ext else qdomain
+        domain = QUARK_DOMAIN if ext else (fq.qdq_domain if fq.qdq_domain is not None else qdomain)
         qname, dqname = f"{base}_{q_op}", f"{base}_{dq_op}"
         nodes = [
             helper.make_node(q_op, [src, s, z], [f"{base}_{q_op}_Output"], name=qname, domain=domain,
@@ -368,6 +385,12 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
     x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+    if getattr(fq, "weight_storage", "quantized") == "float" and not isinstance(fmt, (BFPFormat, MXFormat)):
+        # the float initializer feeds the quantizer's nodes, as an activation's value would
+        nodes, inits, qn = _activation_nodes(tensor, base, f"{base}_float", tensor, fq, qdomain)
+        qn.role = fq.role
+        qn.initializers = [f"{base}_float"] + qn.initializers
+        return nodes, [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), f"{base}_float")] + inits, qn
     if isinstance(fmt, (BFPFormat, MXFormat)):
         qn.input = f"{base}_float"
         node = _block_node(base, qn.input, tensor, fq)
@@ -401,7 +424,7 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
         inits, s, z = _qparam_inits(base, fq)
         inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
         dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
-                              domain=qdomain, **_axis_attrs(fq))
+                              domain=fq.qdq_domain if fq.qdq_domain is not None else qdomain, **_axis_attrs(fq))
         qn.nodes = [dq.name]
         qn.initializers = [i.name for i in inits]
         return [dq], inits, qn

@@ -32,6 +32,7 @@ from .metrics import evaluate
 from .quantizer import ModelQuantizer, QuantizedModel, calibrate, prepare
 from .runtime import get_library_path
 from .export import export
+from .importer import load_quantized
 
 __version__ = "0.1.0"
 
@@ -40,5 +41,5 @@ __all__ = [
     "QuantizationConfig", "QuantType", "VitisQuantFormat", "VitisQuantType", "get_default_config",
     "ConfigError", "DataError", "ExportError", "ModelError", "QTorchOnnxError", "UnsupportedFeatureError",
     "UnsupportedOpsError", "FakeQuantize", "lift", "evaluate", "ModelQuantizer", "QuantizedModel", "calibrate",
-    "prepare", "get_library_path", "export", "__version__",
+    "prepare", "get_library_path", "export", "load_quantized", "__version__",
 ]

@@ -97,6 +97,15 @@ class FakeQuantize(nn.Module):
         #: block formats: "auto" (Triton kernels for CUDA tensors, the formats/ reference elsewhere),
         #: "reference" or "triton" (qtorch_onnx.ops.BACKENDS); all give the same bits.
         self.backend = "auto"
+        #: export form of integer Q/DQ: the node domain ("" or "com.microsoft"); None = export's rule (OPS.md).
+        #: Set when a quantized model is imported (qtorch_onnx.load_quantized), to write it back as it came.
+        self.qdq_domain: Optional[str] = None
+        #: export form of weights: "quantized" (the integer / 16-bit initializer -> DequantizeLinear) or "float"
+        #: (the float initializer -> QuantizeLinear -> DequantizeLinear, as Quark writes BF16 weights). Block
+        #: formats always keep the float initializer.
+        self.weight_storage = "quantized"
+        #: (scale shape, zero-point shape) an imported model stored its parameters in, or None (export's own)
+        self.qparam_shapes = None
         self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
         self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)

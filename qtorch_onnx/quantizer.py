@@ -160,8 +160,38 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     proto = load_model(model)
     gm = lift(proto, fold_batchnorm=True)
     t_lift = time.perf_counter() - t0
+    plan = plan_quantization(gm.onnx_model, cfg)
+    qm = attach_quantizers(gm, plan, cfg)
+    # weights are quantized from the start; activations wait for calibration
+    for fq in qm.quantizers().values():
+        fq.set_mode("quantize" if fq.role != "activation" or not fq.needs_calibration else "float")
+    qm.stage_times["lift"] = t_lift
+    qm.stage_times["place"] = time.perf_counter() - t0 - t_lift
+    if device is not None:
+        qm.to(device)
+    return qm
+
+
+def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig, setup: Any = None) -> QuantizedModel:
+    """Put one FakeQuantize per ``plan.specs`` entry into the lifted module ``gm`` (modified in place) and wrap it.
+
+    Own quantizers go after the fx node of their tensor (every reader sees them) or parametrize the module
+    parameter holding it (weights); consumer-side ones go on their one reader's edge. Weights get per-tensor /
+    per-channel qparams from their values. Specs of initializers that a converter baked in as constants
+    (shapes, bounds) are dropped from the plan.
+
+    Args:
+        gm: from :func:`qtorch_onnx.lift.lift` (``gm.onnx_model``, ``gm.tensor_map``).
+        plan: placement of ``gm.onnx_model``. cfg: the resolved configuration (observers, BF16 form).
+        setup: optional ``setup(fq, spec)`` called on each new quantizer before it is inserted.
+
+    Returns:
+        A :class:`QuantizedModel` (quantizers in ``"float"`` mode).
+
+    Raises:
+        ModelError: a planned tensor has no counterpart in the lifted graph (a lifting bug).
+    """
     onnx_model = gm.onnx_model
-    plan = plan_quantization(onnx_model, cfg)
     tm = gm.tensor_map
     holder = nn.Module()
     gm.add_module("quantizers", holder)
@@ -201,6 +231,8 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
+        if setup is not None:
+            setup(fq, spec)
         holder.add_module(_safe(key), fq)
         target = f"quantizers.{_safe(key)}"
         if spec.consumer is not None:
@@ -218,15 +250,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
                 own_node[tensor] = q
     graph.lint()
     gm.recompile()
-    qm = QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
-    # weights are quantized from the start; activations wait for calibration
-    for fq in qm.quantizers().values():
-        fq.set_mode("quantize" if fq.role != "activation" or not fq.needs_calibration else "float")
-    qm.stage_times["lift"] = t_lift
-    qm.stage_times["place"] = time.perf_counter() - t0 - t_lift
-    if device is not None:
-        qm.to(device)
-    return qm
+    return QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
 
 
 def _insert_consumer_side(gm: torch.fx.GraphModule, tm: Any, spec: QuantSpec, target: str, refs: list,

@@ -11,7 +11,8 @@ Public API:
 
 Recurrent ops (LSTM, GRU, RNN, com.microsoft::DynamicQuantizeLSTM: :mod:`.recurrent`) and control flow
 (If with a runtime condition, Loop, Scan: :mod:`.control_flow`, subgraphs lifted recursively, their
-tensors in ``tensor_map.subgraphs``) register their converters when this package is imported.
+tensors in ``tensor_map.subgraphs``) and AMD Quark's custom quantization operators (:mod:`.ops_quark`)
+register their converters when this package is imported.
 
 This package knows ONNX and torch, nothing about quantization.
 """
@@ -19,6 +20,7 @@ from .normalize import normalize, normalize_with_aliases, same_pads
 from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
 from .lifter import check_supported, lift, load_model
 from .converters import register_converter
+from . import ops_quark  # noqa: F401,E402  (registers com.amd.quark / com.vai.quantize converters)
 
 __all__ = [
     "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",

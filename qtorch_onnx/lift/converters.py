@@ -12,13 +12,22 @@ live in :mod:`~qtorch_onnx.lift.ops_common`):
   resampling, quantization and casts, element-wise math, indexing, shape, signal processing); then,
   found automatically from the ONNX schemas, a delegation for every newer version whose schema differs
   from an already supported one only in type constraints (Identity-19/..., Transpose-21/..., ...).
-* **Overrides** of registered but wrong converters (e.g. CumSum-11/14: ONNX's ``reverse`` default is
-  0, not 1; NonZero-13: ONNX's output is ``[rank, N]``; Add/Div/... on uint16-64; Flatten axis 0;
-  LayerNormalization's Mean/InvStdDev outputs) cannot be re-registered; they live in :data:`OVERRIDES`
-  and :func:`qtorch_onnx.lift.lift` swaps the converted module for ours after ``onnx2torch.convert``
-  (same ONNX input mapping, so the fx node is unchanged). This works only where onnx2torch's own
-  converter accepts the node; :func:`dry_run` reports the nodes where it does not (e.g. Clip-13 with
-  dynamic min/max).
+* **Overrides** of registered but wrong or too narrow converters (e.g. CumSum-11/14: ONNX's ``reverse``
+  default is 0, not 1; NonZero-13: ONNX's output is ``[rank, N]``; Add/Div/... on uint16-64; Flatten
+  axis 0; LayerNormalization's Mean/InvStdDev outputs; Clip-11/12/13 with runtime min/max) cannot be
+  re-registered; they live in :data:`OVERRIDES`. onnx2torch's ``convert`` looks converters up by the
+  node's ``(domain, op_type, opset)`` only, so :func:`qtorch_onnx.lift.lift` chooses the converter per
+  node *before* conversion: on the copy it hands to onnx2torch it re-spells the domain of every node
+  whose key is overridden to an alias domain, for which a converter calling the override is registered
+  through ``add_converter`` (:func:`qtorch_onnx.lift.lifter._route_domains`), and renames the modules
+  back afterwards. onnx2torch's own converter is therefore never called on such a node (it may reject
+  it, as Clip-13's rejects a runtime ``min``), and the override may map the inputs as it likes. This
+  uses only the public registry; the alternatives were worse: a normalization step rewriting such nodes
+  into a custom domain would leak into the normalized model that the TensorMap, placement and export
+  read, and replacing onnx2torch's registry entry is impossible (``add_converter`` refuses existing keys).
+* **Constant** (all versions) and **ConstantOfShape** (9/20+): onnx2torch's read tensor attributes
+  through numpy and fail on bfloat16 / float8 / int4 values; ours use
+  :func:`~qtorch_onnx.lift.ops_common.tensor_from_proto`.
 
 Use :func:`converter_for` to get the converter the lifter will use for a node, :func:`dry_run` to check
 a node, and :func:`workaround` for the hint :class:`~qtorch_onnx.errors.UnsupportedOpsError` shows.
@@ -40,8 +49,8 @@ from onnx2torch.onnx_node import OnnxNode
 from onnx2torch.utils.common import OnnxMapping, OnnxToTorchModule, OperationConverterResult, onnx_mapping_from_node
 
 from .ops_common import (  # noqa: F401  (re-exported: the registry API lives in ops_common)
-    _OURS, OVERRIDES, ConversionNotSupported, Converter, const_ints, const_tensor, converter_for, onnx2torch_converter,
-    register_converter, registered, since_version,
+    _OURS, OVERRIDES, ConversionNotSupported, Converter, attr, const_ints, const_tensor, converter_for,
+    onnx2torch_converter, register_converter, register_versions, registered, since_version,
 )
 
 _registered = registered
@@ -254,6 +263,74 @@ def _nonzero(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
     )
 
 
+# ============================================================================ Constant, ConstantOfShape
+class OnnxConstantValue(nn.Module, OnnxToTorchModule):
+    """ONNX Constant: returns the buffer ``value`` (any shape; dtype per the lifter's convention, see
+    :func:`~qtorch_onnx.lift.ops_common.tensor_from_proto`: bfloat16 / float8 as torch's dtypes, int4 in
+    int8, uint4 in uint8). The buffer itself is returned (no copy), as onnx2torch's Constant does."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.register_buffer("value", value)
+
+    def forward(self) -> torch.Tensor:  # noqa: D102
+        return self.value
+
+
+_CONSTANT_LISTS = {"value_float": torch.float32, "value_floats": torch.float32, "value_int": torch.int64,
+                   "value_ints": torch.int64}
+
+
+def _constant(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    """Constant-1..25: ``value`` (any tensor type) and ``value_float(s)`` / ``value_int(s)``; string
+    values go to onnx2torch's own converter (a Python list, as before); ``sparse_value`` is refused."""
+    names = [a.name for a in node.proto.attribute]
+    if len(names) != 1:
+        raise ConversionNotSupported(f"Constant node {node.name!r}: exactly one value attribute expected, got {names}")
+    name = names[0]
+    if name == "value":
+        value = attr(node, "value")
+    elif name in _CONSTANT_LISTS:
+        value = torch.tensor(attr(node, name), dtype=_CONSTANT_LISTS[name])
+    elif name in ("value_string", "value_strings"):
+        own = onnx2torch_converter("Constant", 13)
+        if own is None:
+            raise ConversionNotSupported(f"Constant node {node.name!r}: string values have no torch dtype")
+        return own(node, graph)
+    else:
+        raise ConversionNotSupported(f"Constant node {node.name!r}: attribute {name!r} (valid: value, value_float, "
+                                     f"value_floats, value_int, value_ints, value_string, value_strings)")
+    return OperationConverterResult(torch_module=OnnxConstantValue(value), onnx_mapping=onnx_mapping_from_node(node))
+
+
+class OnnxConstantOfShape(nn.Module, OnnxToTorchModule):
+    """ONNX ConstantOfShape: a tensor of shape ``shape`` (1-D int64 input) filled with the one-element
+    ``value`` (any type the lifter carries; float32 0 by default), built by expanding the value, so
+    bfloat16 / float8 / int4 fills need no fill kernel."""
+
+    def __init__(self, value: torch.Tensor | None):
+        super().__init__()
+        if value is None:
+            value = torch.zeros((), dtype=torch.float32)
+        self.register_buffer("value", value.reshape(()))
+
+    def forward(self, shape: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return self.value.expand([int(d) for d in shape.reshape(-1).tolist()]).clone()
+
+
+def _constant_of_shape(node: OnnxNode, graph: OnnxGraph) -> OperationConverterResult:
+    value = attr(node, "value")
+    if value is not None and value.numel() != 1:
+        raise ConversionNotSupported(f"ConstantOfShape node {node.name!r}: attribute 'value' must have one element, "
+                                     f"got shape {list(value.shape)}")
+    return OperationConverterResult(torch_module=OnnxConstantOfShape(value), onnx_mapping=onnx_mapping_from_node(node))
+
+
+# onnx2torch's Constant-9/11/12/13 and ConstantOfShape-9 go through OnnxTensor.to_torch (numpy): overridden
+register_versions("Constant", 1, _constant, override=[9, 11, 12, 13])
+register_versions("ConstantOfShape", 9, _constant_of_shape, override=[9])
+
+
 # ============================================================================ guarded delegations
 def _delegate(op_type: str, to_version: int, guard: Callable[[OnnxNode, OnnxGraph], str | None]):
     """A converter for a newer version that checks ``guard`` and then calls onnx2torch's ``to_version``."""
@@ -269,40 +346,41 @@ def _delegate(op_type: str, to_version: int, guard: Callable[[OnnxNode, OnnxGrap
 
 
 # ============================================================================ support checks and hints
-#: element types numpy has no dtype for (ml_dtypes): onnx2torch's initializer conversion fails on them
-_NO_NUMPY_INIT = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
-                  onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0,
-                  onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,
-                  onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT6E2M3, onnx.TensorProto.FLOAT6E3M2}
+#: element types numpy has no native dtype for (numpy_helper gives ml_dtypes arrays, which onnx2torch's
+#: ``OnnxTensor.to_torch`` cannot turn into buffers): the lifter hands initializers of these types to
+#: onnx2torch as graph inputs and binds them to buffers of the right torch dtype afterwards
+#: (:func:`qtorch_onnx.lift.lifter.conversion_view`)
+NUMPY_LESS_TYPES = frozenset({
+    onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
+    onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ, onnx.TensorProto.FLOAT8E8M0,
+    onnx.TensorProto.INT4, onnx.TensorProto.UINT4, onnx.TensorProto.INT2, onnx.TensorProto.UINT2,
+    onnx.TensorProto.FLOAT4E2M1, onnx.TensorProto.FLOAT6E2M3, onnx.TensorProto.FLOAT6E3M2,
+})
 
 
 def dry_run(node: OnnxNode, graph: OnnxGraph, opset: int | None, domain: str = "") -> str | None:
-    """Why ``node`` cannot be converted (``None`` when it can): no opset import, no converter, the
-    converter rejecting the node, or, for a key in :data:`OVERRIDES`, onnx2torch's own converter (which
-    ``onnx2torch.convert`` runs before the override replaces its module) rejecting it."""
+    """Why ``node`` cannot be converted (``None`` when it can): no opset import, no converter, or the
+    converter the lifter uses (:func:`converter_for`: the override where there is one, which the lifter
+    calls *instead of* onnx2torch's own) raising on the node.
+
+    ``graph`` should be the graph the lifter hands to onnx2torch (see
+    :func:`qtorch_onnx.lift.lifter.conversion_view`), so that converters see the node as they will.
+    """
     if opset is None:
         return f"no opset import for domain {domain or 'ai.onnx'!r}"
-    for name in node.input_values:
-        t = graph.initializers.get(name) if name else None
-        if t is not None and t.proto.data_type in _NO_NUMPY_INIT:
-            return (f"initializer {name!r} has element type {onnx.TensorProto.DataType.Name(t.proto.data_type)}, "
-                    f"which onnx2torch cannot turn into a buffer (OnnxTensor.to_torch goes through numpy)")
     conv = converter_for(node.operation_type, opset, domain)
     if conv is None:
         return "no converter"
     try:
         conv(node, graph)
     except Exception as exc:  # any converter failure means this node cannot be lifted
+        missing = exc.args[0] if isinstance(exc, KeyError) and exc.args else None
+        if isinstance(missing, str) and missing in node.input_values and missing not in graph.value_info:
+            # onnx2torch's converters look the input's value_info up (rank, shape) and raise KeyError
+            return (f"input {missing!r} has no shape or type information (ONNX shape inference could not infer it, "
+                    f"e.g. behind an op of a custom domain), which the {node.operation_type} converter needs "
+                    f"(KeyError: {missing!r})")
         return f"{type(exc).__name__}: {exc}"
-    v = since_version(node.operation_type, opset, domain)
-    if (domain, node.operation_type, v) in OVERRIDES:
-        own = onnx2torch_converter(node.operation_type, opset, domain)
-        if own is not None:
-            try:
-                own(node, graph)
-            except Exception as exc:
-                return (f"onnx2torch's {node.operation_type}-{v} converter, which runs before our override replaces "
-                        f"its module, rejects this node ({type(exc).__name__}: {exc})")
     return None
 
 
@@ -332,16 +410,14 @@ def workaround(domain: str, op_type: str, reason: str) -> str:
         return "training ops are not lifted: export the inference graph (training_mode=0, no optimizer ops)"
     if op_type in _RANDOM_OPS:
         return "random ops are not lifted (their values cannot match ONNX Runtime's): feed the random tensor as an input"
-    if "cannot turn into a buffer" in reason:
-        return ("store that initializer in a numpy type (float32 / int8, with a Cast node if needed) or feed it as a "
-                "graph input; holding such initializers needs a lifter change")
+    if "has no shape or type information" in reason:
+        return ("give that tensor a value_info with its element type and rank (e.g. run onnx.shape_inference with "
+                "the producing op's schema registered, or add the value_info by hand)")
     if "must be a constant" in reason or "Dynamic value" in reason or "initializer" in reason:
         return "make that input a constant (an initializer), e.g. by fixing the input shapes and re-running normalize()"
     if "auto_pad" in reason or "static" in reason:
         return ("give the model static input shapes (python -m onnxruntime.tools.make_dynamic_shape_fixed) so "
                 "normalization can resolve it")
-    if "onnx2torch's" in reason:
-        return "the lifter needs to apply this override before onnx2torch converts the node (not yet done); " + register
     if reason == "no converter":
         return register
     return "check the attribute named in the reason against the values listed there, or " + register

@@ -19,6 +19,7 @@ from . import converters as _conv
 from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
 from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
 from .normalize import normalize_with_aliases
+from .ops_common import tensor_from_proto
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
 
 ModelLike = Union[str, Path, onnx.ModelProto]
@@ -51,36 +52,101 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-def _collect_unsupported(model: onnx.ModelProto, opsets: dict[str, int], prefix: str, bad: OrderedDict) -> None:
+def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
+    """The model as the lifter hands it to onnx2torch, as far as initializers go: every initializer
+    whose element type numpy has no native dtype for (:data:`~qtorch_onnx.lift.converters.NUMPY_LESS_TYPES`:
+    bfloat16, float8, int4/uint4, int2/uint2, float4/float6, E8M0) becomes a graph input of the same
+    name, element type and shape (appended after the real inputs, initializer order).
+
+    Why: onnx2torch turns every initializer a module reads into a buffer through
+    ``OnnxTensor.to_torch`` (``torch.from_numpy`` of ``numpy_helper.to_array``), which fails on the
+    ml_dtypes arrays those types decode to. As graph inputs they become fx placeholders, which the
+    lifter then replaces by ``get_attr`` nodes of buffers decoded by
+    :func:`~qtorch_onnx.lift.ops_common.tensor_from_proto` (torch.bfloat16 / torch.float8_*, int4 values
+    in int8, uint4 values in uint8). Converters see these tensors as typed runtime values (their ONNX
+    element type is in the input's type), so every module computes on them as on any other tensor.
+
+    Returns:
+        ``(view, moved)``: ``model`` itself and ``[]`` when there is nothing to move, else a copy and
+        the names of the appended inputs, in order (an initializer that the graph also lists as an input,
+        IR < 4 style, which :func:`~qtorch_onnx.lift.normalize` removes, stays that input only).
+        ``model`` is not mutated.
+    """
+    moved = [t for t in model.graph.initializer if t.data_type in _conv.NUMPY_LESS_TYPES]
+    if not moved:
+        return model, []
+    view = onnx.ModelProto()
+    view.CopyFrom(model)
+    names = {t.name for t in moved}
+    keep = [t for t in view.graph.initializer if t.name not in names]
+    declared = {v.name for v in view.graph.input}
+    del view.graph.initializer[:]
+    view.graph.initializer.extend(keep)
+    appended = []
+    for t in moved:
+        if t.name not in declared:  # an initializer also listed as an input (IR < 4; not after normalize())
+            view.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            appended.append(t.name)
+    return view, appended
+
+
+def _input_independent(reason: str) -> bool:
+    """True for reasons that do not depend on the node's inputs (the node is unsupported wherever it is)."""
+    return reason == "no converter" or reason.startswith("no opset import")
+
+
+def _collect_unsupported(model: onnx.ModelProto, opsets: dict[str, int], prefix: str, bad: OrderedDict,
+                         tainted: set[str], unchecked: list[str]) -> None:
     """Dry-run every node's converter; record ``(prefix + node name, reason)`` per failing op kind in ``bad``.
 
+    Nodes are dry-run on :func:`conversion_view` ``(model)``, the graph onnx2torch will convert.
     Control-flow nodes (If / Loop / Scan) are not dry-run as a whole: their attributes are checked and
     each subgraph is checked node by node, recursively (as the model the lifter will convert), so an
     unsupported op inside a branch or loop body is reported as itself, named
     ``<node>/<attribute>/<inner node>``.
+
+    ``tainted`` (updated in place): tensors computed, directly or not, from the output of a node found
+    unsupported. Such tensors have no shape or type (shape inference stops at an unknown op), so a
+    converter reading them may fail for that reason alone: a failing node that reads a tainted tensor
+    goes to ``unchecked`` (its name) instead of ``bad``, unless its reason does not depend on its
+    inputs (no converter, no opset import).
     """
     from . import control_flow as _cf
 
-    graph = OnnxGraph(model.graph)
+    view, _ = conversion_view(model)
+    graph = OnnxGraph(view.graph)
     for onode in graph.nodes.values():
         domain = "" if onode.domain == "ai.onnx" else onode.domain
         opset = opsets.get(domain)
         conv = _conv.converter_for(onode.operation_type, opset, domain) if opset is not None else None
+        upstream = any(v in tainted for v in onode.input_values if v)
         reason = None
         if conv is None:
             reason = "no converter" if opset is not None else f"no opset import for domain {domain!r}"
         elif _cf.is_control_flow(onode):
             try:
-                subs = _cf.subgraph_models(onode, graph, model)
+                subs = _cf.subgraph_models(onode, graph, view)
             except Exception as exc:  # invalid attributes or unresolvable outer-scope references
                 reason = f"{type(exc).__name__}: {exc}"
             else:
+                found = sum(len(v) for v in bad.values()) + len(unchecked)
                 for attr, sg in subs.items():
-                    _collect_unsupported(sg.model, opsets, f"{prefix}{onode.name}/{attr}/", bad)
+                    upstream = upstream or any(v.name in tainted for v in sg.model.graph.input)
+                    _collect_unsupported(sg.model, opsets, f"{prefix}{onode.name}/{attr}/", bad, tainted, unchecked)
+                if upstream or sum(len(v) for v in bad.values()) + len(unchecked) > found:
+                    tainted.update(v for v in onode.output_values if v)
+                continue
         else:
             reason = _conv.dry_run(onode, graph, opset, domain)
-        if reason is not None:
-            bad.setdefault((domain, onode.operation_type, opset or 0), []).append((prefix + onode.name, reason))
+        if reason is None:
+            if upstream:
+                tainted.update(v for v in onode.output_values if v)
+            continue
+        tainted.update(v for v in onode.output_values if v)
+        if upstream and not _input_independent(reason):
+            unchecked.append(prefix + onode.name)
+            continue
+        bad.setdefault((domain, onode.operation_type, opset or 0), []).append((prefix + onode.name, reason))
 
 
 def check_supported(model: onnx.ModelProto) -> None:
@@ -92,19 +158,32 @@ def check_supported(model: onnx.ModelProto) -> None:
     ``<control-flow node>/<attribute>/<node>``. Run it on a normalized model (Constant nodes and
     constant-condition Ifs are handled by normalization).
 
+    Only genuinely unsupported nodes are listed: a node downstream of an unsupported one whose
+    converter fails may fail only because its input has no shape or type (shape inference cannot see
+    through an unknown op), so it is not listed but counted in one line, "N downstream node(s) not
+    checked"; a downstream node with no converter at all is listed.
+
     Raises:
         UnsupportedOpsError: ``.ops`` = ``[(domain, op_type, opset, [node names])]``; ``.reasons`` and
             ``.hints`` per op kind (the first node's reason, a suggested workaround), both also in the
-            message.
+            message; ``.unchecked``: names of the downstream nodes not checked (also counted in the
+            message).
     """
     opsets = _opsets(model)
     bad: "OrderedDict[tuple[str, str, int], list[tuple[str, str]]]" = OrderedDict()
-    _collect_unsupported(model, opsets, "", bad)
+    unchecked: list[str] = []
+    _collect_unsupported(model, opsets, "", bad, set(), unchecked)
     if bad:
         reasons = {key: nodes[0][1] for key, nodes in bad.items()}
         hints = {key: _conv.workaround(key[0], key[1], reason) for key, reason in reasons.items()}
-        raise UnsupportedOpsError([(d, op, v, [n for n, _ in nodes]) for (d, op, v), nodes in bad.items()],
+        err = UnsupportedOpsError([(d, op, v, [n for n, _ in nodes]) for (d, op, v), nodes in bad.items()],
                                   reasons, hints)
+        err.unchecked = list(unchecked)
+        if unchecked:
+            shown = ", ".join(repr(n) for n in unchecked[:8]) + (", ..." if len(unchecked) > 8 else "")
+            err.args = (f"{err.args[0]}\n  {len(unchecked)} downstream node(s) not checked (they read outputs of the "
+                        f"unsupported nodes above; lift again once those are supported): {shown}",)
+        raise err
 
 
 def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphModule:
@@ -112,10 +191,14 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
 
     Steps: :func:`~qtorch_onnx.lift.normalize` (the input model is not mutated), :func:`check_supported`,
     ``onnx2torch.convert`` with the converters of :mod:`qtorch_onnx.lift.converters` (plus
-    :mod:`~qtorch_onnx.lift.recurrent` and :mod:`~qtorch_onnx.lift.control_flow`), then fix-ups:
-    overridden modules swapped in, one fx node per ONNX tensor (onnx2torch makes one get_attr node and
-    buffer per *use* of an initializer and one getitem per use of a multi-output node; duplicates are
-    merged), and the fx output rebuilt to return exactly the ONNX graph outputs.
+    :mod:`~qtorch_onnx.lift.recurrent` and :mod:`~qtorch_onnx.lift.control_flow`) on a copy in which
+    (a) nodes whose key has an override (:data:`~qtorch_onnx.lift.converters.OVERRIDES`) are routed to
+    it, so onnx2torch's own converter never sees them (:func:`_route_domains`), and (b) initializers of
+    types numpy cannot hold (bfloat16, float8, int4/uint4, ...) are graph inputs (:func:`conversion_view`);
+    then fix-ups: those inputs bound to buffers of the right torch dtype, routed modules renamed back to
+    their node names, one fx node per ONNX tensor (onnx2torch makes one get_attr node and buffer per
+    *use* of an initializer and one getitem per use of a multi-output node; duplicates are merged), and
+    the fx output rebuilt to return exactly the ONNX graph outputs.
 
     Control flow: the subgraphs of If / Loop / Scan nodes are lifted the same way, recursively, into
     GraphModules held by the control-flow module (``<node>.then_branch`` / ``.else_branch`` / ``.body``);
@@ -232,8 +315,11 @@ def _route_domains(model: onnx.ModelProto) -> dict[str, str]:
     * Nodes whose converter is an override (:data:`~qtorch_onnx.lift.converters.OVERRIDES`: a key
       onnx2torch already has) get domain :data:`OVERRIDE_DOMAIN`, for which the override is registered
       through onnx2torch's public ``add_converter``: onnx2torch then converts them with the override
-      directly (its own converter is never called, so it may reject the node, and the override may map
-      the inputs differently). Their modules are renamed back to the plain node name afterwards.
+      directly (its own converter is never called, so it may reject the node, as Clip-13's rejects a
+      runtime ``min``, and the override may map the inputs differently). Their modules are renamed back
+      to the plain node name afterwards. The converter is thus chosen per node before conversion, with
+      the public registry only: a normalization step re-spelling the domains instead would leak into the
+      normalized model (``gm.onnx_model``) that the TensorMap, placement and export read.
     * Domains containing '.' (``com.microsoft``) are spelled with '_': onnx2torch names a module
       ``<domain>/<node name>`` and torch module names cannot contain '.'.
 
@@ -283,8 +369,10 @@ def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
     g = normalized.graph
     produced = {o for n in g.node for o in n.output if o}
     # onnx2torch can only output node outputs; the real outputs are rebuilt below
-    to_convert = onnx.ModelProto()
-    to_convert.CopyFrom(normalized)
+    to_convert, moved = conversion_view(normalized)
+    if to_convert is normalized:
+        to_convert = onnx.ModelProto()
+        to_convert.CopyFrom(normalized)
     renames = _route_domains(to_convert)
     keep = [o for o in to_convert.graph.output if o.name in produced]
     if not keep and not subgraph:
@@ -296,7 +384,8 @@ def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
 
     ograph = OnnxGraph(to_convert.graph)  # the graph onnx2torch converted (module names derive from it)
     onnx_nodes = {renames.get(uname, uname): onode for uname, onode in ograph.nodes.items()}
-    init_values = {name: t.to_torch() for name, t in ograph.initializers.items()}
+    # every initializer of the normalized graph, in the lifter's dtype convention (the moved ones included)
+    init_values = {t.name: tensor_from_proto(t) for t in g.initializer}
 
     # ---- modules of overridden nodes: back to the plain node name
     graph = gm.graph
@@ -316,14 +405,27 @@ def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
         if ref not in lst:
             lst.append(ref)
 
-    # ---- placeholders <-> graph inputs
+    # ---- placeholders <-> graph inputs; the moved initializers' placeholders -> get_attr of typed buffers
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     input_names = [v.name for v in g.input]
-    if len(placeholders) != len(input_names):
-        raise ModelError(f"internal: {len(placeholders)} placeholders for {len(input_names)} graph inputs")
+    if len(placeholders) != len(input_names) + len(moved):
+        raise ModelError(f"internal: {len(placeholders)} placeholders for {len(input_names)} graph inputs and "
+                         f"{len(moved)} initializers fed as inputs")
     fx_of: dict[str, fx.Node] = {}
     for name, ph in zip(input_names, placeholders):
         fx_of[name] = ph
+    first_op = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    for i, (name, ph) in enumerate(zip(moved, placeholders[len(input_names):])):
+        if ph.users:
+            attr = f"onnx_typed_initializer_{i}"
+            if not hasattr(gm, "initializers"):  # GraphModule keeps onnx2torch's container only when used
+                gm.add_module("initializers", torch.nn.Module())
+            gm.initializers.register_buffer(attr, init_values[name].clone())
+            with graph.inserting_before(first_op):
+                node = graph.get_attr(f"initializers.{attr}")
+            ph.replace_all_uses_with(node)
+            fx_of[name] = node
+        graph.erase_node(ph)
 
     # ---- call_module nodes, get_attr replay, getitem dedupe
     buffer_of: dict[int, str] = {}

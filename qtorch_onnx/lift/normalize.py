@@ -86,8 +86,13 @@ def _shape_map(model: onnx.ModelProto) -> dict[str, tuple]:
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    from .ops_quark import infer_shapes_through_contrib_qdq
+
+    def infer(m: onnx.ModelProto) -> onnx.ModelProto:
+        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+        return infer_shapes_through_contrib_qdq(model, infer)
     except Exception as exc:  # shape inference of an inconsistent model
         raise ModelError(f"ONNX shape inference failed on model {model.graph.name!r}: {exc}") from exc
 

@@ -5,9 +5,16 @@ a model's opset to the op schema's ``since_version`` and looks that key up; ``ad
 ``ValueError`` on a key that is already registered. We use only those two public functions:
 
 * a key onnx2torch lacks is added with ``add_converter``;
-* a key onnx2torch already has (its converter being wrong) goes to :data:`OVERRIDES`, which
-  :func:`qtorch_onnx.lift.lift` applies after ``onnx2torch.convert`` by swapping the module (the
-  override must map the same ONNX inputs, and onnx2torch's converter must not raise on the node).
+* a key onnx2torch already has (its converter being wrong or too narrow) goes to :data:`OVERRIDES`.
+  ``onnx2torch.convert`` would call its own converter for that key, so :func:`qtorch_onnx.lift.lift`
+  re-spells the domain of every such node (on the copy it converts) to an alias domain for which a
+  converter calling the override is registered with ``add_converter``
+  (:func:`qtorch_onnx.lift.lifter._route_domains`): the override alone converts the node, before
+  onnx2torch's converter could reject it, and may map the node's inputs as it likes.
+
+Dtype convention (:data:`TORCH_DTYPE`, :func:`tensor_from_proto`): bfloat16 and float8 are torch's
+dtypes of the same name, int4/int2 are held unpacked in int8, uint4/uint2 in uint8, float4/float6 as
+uint8 bit codes.
 """
 from __future__ import annotations
 
@@ -81,9 +88,9 @@ def register_converter(op_type: str, versions: Iterable[int], domain: str = ""):
     ``op_type`` at each of ``versions`` (schema since-versions; for a custom domain, its opset version).
 
     Versions onnx2torch does not know are added with its public ``add_converter``; versions it already
-    has go to :data:`OVERRIDES`, which :func:`~qtorch_onnx.lift.lift` applies after conversion (the
-    override must map the same ONNX inputs to module arguments as the converter it replaces, and
-    onnx2torch's own converter must not fail on the node).
+    has go to :data:`OVERRIDES`, which :func:`~qtorch_onnx.lift.lift` uses *instead of* onnx2torch's
+    converter for those nodes (routed before conversion; onnx2torch's converter is never called on them,
+    and the override may map the node's inputs differently).
 
     Raises:
         ValueError: a version was already added by this package (two converters for one key).
@@ -136,12 +143,13 @@ def register_versions(op_type: str, first: int, converter: Converter, *, domain:
 # ----------------------------------------------------------------------------------------------- node helpers
 def attr(node: OnnxNode, name: str, default=None):
     """Attribute ``name`` of ``node`` decoded with ``onnx.helper.get_attribute_value`` (strings as str,
-    tensors as torch tensors); ``default`` when absent. (onnx2torch's parser returns the raw
-    AttributeProto for an empty list; this does not.)"""
+    tensors as torch tensors in the lifter's dtype convention, see :func:`tensor_from_proto`);
+    ``default`` when absent. (onnx2torch's parser returns the raw AttributeProto for an empty list, and
+    fails on bfloat16/float8/int4 tensors; this does not.)"""
     for a in node.proto.attribute:
         if a.name == name:
             if a.type == onnx.AttributeProto.TENSOR:
-                return torch.from_numpy(onnx.numpy_helper.to_array(a.t).copy())
+                return tensor_from_proto(a.t)
             v = helper.get_attribute_value(a)
             if isinstance(v, bytes):
                 return v.decode("utf-8")
@@ -162,11 +170,22 @@ _ML_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, 
 
 
 def tensor_from_proto(proto: onnx.TensorProto) -> torch.Tensor:
-    """TensorProto -> torch tensor in the lifter's dtype convention (bfloat16/float8 as torch's dtypes,
-    int4/int2 as int8 and uint4/uint2 as uint8 values, float4/float6 as uint8 codes); unlike
-    onnx2torch's ``OnnxTensor.to_torch`` it accepts the ml_dtypes element types."""
+    """TensorProto -> torch tensor (same shape) in the lifter's dtype convention: bfloat16/float8 as
+    torch's dtypes of the same name (bit-exact, NaN payloads included), int4/int2 values in int8 and
+    uint4/uint2 values in uint8 (one value per byte), float4/float6 as uint8 bit codes, every other
+    numeric type as its numpy dtype.
+
+    Decoding (packing, byte order, external data already loaded) is ``onnx.numpy_helper.to_array``'s,
+    whose ml_dtypes arrays are reinterpreted or widened here; unlike onnx2torch's
+    ``OnnxTensor.to_torch`` (``torch.from_numpy`` of that array) it accepts the ml_dtypes types.
+
+    Raises:
+        ConversionNotSupported: STRING tensors (no torch dtype; names the tensor).
+    """
     import numpy as np
 
+    if proto.data_type == onnx.TensorProto.STRING:
+        raise ConversionNotSupported(f"tensor {proto.name!r} has element type STRING, which has no torch dtype")
     arr = onnx.numpy_helper.to_array(proto)
     name = arr.dtype.name
     if name in _ML_DTYPES:

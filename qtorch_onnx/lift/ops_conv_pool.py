@@ -77,25 +77,33 @@ def conv_transpose_nd(x, w, b, strides, pads, dilations, group, output_padding, 
     return y
 
 
-def _conv_attrs(node: OnnxNode, n: int):
-    pads = list(attr(node, "pads", [0] * 2 * n))
+def _conv_attrs(node: OnnxNode, n: int | None):
+    """strides, pads, dilations, group, auto_pad; with ``n`` None (rank unknown at conversion) the absent
+    per-axis attributes stay None and :class:`OnnxConv` fills the ONNX defaults from the weight's rank."""
+    def get(name, default):
+        v = attr(node, name)
+        return list(v) if v is not None else (None if n is None else default)
+
+    pads = get("pads", [0] * 2 * (n or 0))
     auto_pad = attr(node, "auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID") and node.operation_type != "ConvTranspose":
         raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
                                      f"input shapes (normalization resolves it to pads when shapes are known)")
-    return (list(attr(node, "strides", [1] * n)), pads, list(attr(node, "dilations", [1] * n)),
-            attr(node, "group", 1), auto_pad)
+    return (get("strides", [1] * (n or 0)), pads, get("dilations", [1] * (n or 0)), attr(node, "group", 1), auto_pad)
 
 
 class OnnxConv(nn.Module, OnnxToTorchModule):
-    """ONNX Conv with W (and B) as inputs: x ``[N, C, *S]``, w ``[M, C/group, *K]``, b ``[M]``."""
+    """ONNX Conv with W (and B) as inputs: x ``[N, C, *S]``, w ``[M, C/group, *K]``, b ``[M]``. ``strides`` /
+    ``pads`` / ``dilations`` None: the ONNX defaults (1 / 0 / 1 per spatial axis of ``w``)."""
 
     def __init__(self, strides, pads, dilations, group):
         super().__init__()
         self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
 
     def forward(self, x, w, b=None):  # noqa: D102
-        return conv_nd(x, w, b, self.strides, self.pads, self.dilations, self.group)
+        n = w.dim() - 2
+        return conv_nd(x, w, b, self.strides or [1] * n, self.pads or [0] * 2 * n, self.dilations or [1] * n,
+                       self.group)
 
 
 class OnnxConvTranspose(nn.Module, OnnxToTorchModule):
@@ -122,9 +130,10 @@ def _rank_of_weight(node: OnnxNode, graph: OnnxGraph, index: int = 1) -> int:
     name = node.input_values[index]
     if name in graph.initializers:
         return len(graph.initializers[name].proto.dims) - 2
-    vi = graph.value_info.get(name)
-    if vi is not None and vi.type.tensor_type.HasField("shape"):
-        return len(vi.type.tensor_type.shape.dim) - 2
+    for value in (name, node.input_values[0]):  # the weight's rank, else the data input's (same rank)
+        vi = graph.value_info.get(value)
+        if vi is not None and vi.type.tensor_type.HasField("shape"):
+            return len(vi.type.tensor_type.shape.dim) - 2
     k = attr(node, "kernel_shape")
     if k is None:
         raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: the rank of weight {name!r} is unknown")
@@ -132,7 +141,12 @@ def _rank_of_weight(node: OnnxNode, graph: OnnxGraph, index: int = 1) -> int:
 
 
 def _conv(node: OnnxNode, graph: OnnxGraph):
-    n = _rank_of_weight(node, graph)
+    try:
+        n = _rank_of_weight(node, graph)
+    except ConversionNotSupported:
+        n = None  # a run-time weight behind an op shape inference does not know: OnnxConv fills the defaults
+        if attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+            raise
     strides, pads, dil, group, auto_pad = _conv_attrs(node, n)
     consts = all(v in graph.initializers for v in node.input_values[1:] if v)
     if consts and auto_pad == "NOTSET" and n in (1, 2, 3):
@@ -153,8 +167,11 @@ def _conv_transpose(node: OnnxNode, graph: OnnxGraph):
     return result(OnnxConvTranspose(strides, pads, dil, group, out_pad, out_shape, auto_pad), node)
 
 
-register_versions("Conv", 22, _conv)
-register_versions("ConvTranspose", 22, _conv_transpose)
+# Conv-1/11 and ConvTranspose-1/11 are onnx2torch's, which needs the weight as an initializer: overridden so a
+# weight computed at run time (a quantized model's DequantizeLinear / BFPQuantizeDequantize output) lifts too;
+# constant weights still go to onnx2torch's converter (nn.Conv2d etc.).
+register_versions("Conv", 1, _conv, override=(1, 11))
+register_versions("ConvTranspose", 1, _conv_transpose, override=(1, 11))
 
 
 # ============================================================================================ pooling

@@ -11,6 +11,8 @@
   and negative axes), Hardmax, Trilu, CumSum (dtype-preserving) and CumProd, Det, and the unary
   functions onnx2torch lacks (Acosh, Asinh, Atanh, Cosh, Sinh, Mish, Swish, Shrink,
   ThresholdedRelu, Selu with any alpha/gamma, IsInf with detect_positive/negative).
+* Clip-11/12/13 with constant *or runtime* ``min``/``max`` and every numeric type (overrides
+  onnx2torch's, which rejects runtime bounds and turns integer bounds into floats).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops_common import (
-    TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, register_versions, result,
-    torch_dtype,
+    TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, const_tensor, register_versions,
+    result, torch_dtype,
 )
 
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
@@ -145,6 +147,68 @@ class OnnxVariadic(nn.Module, OnnxToTorchModule):
 
 for _op in ("Max", "Min"):
     register_versions(_op, 8, lambda node, graph: result(OnnxVariadic(node.operation_type), node), override=[8, 12, 13])
+
+
+# ============================================================================================ Clip
+class OnnxClip(nn.Module, OnnxToTorchModule):
+    """ONNX Clip-11/12/13: ``y = min(max(x, min), max)`` element-wise.
+
+    An absent bound is the type's ``numeric_limits::lowest()`` / ``max()``, as the ONNX Clip spec text
+    says and ONNX Runtime does: for float types +-inf are clipped to the largest finite values even
+    when no bound is given (ONNX's reference evaluator, ``np.clip`` with ``None``, leaves them; we follow
+    the spec and ONNX Runtime). ``min > max`` gives ``max`` everywhere; NaN in x stays NaN, its bits
+    kept (torch's two-sided ``clamp`` keeps them; the one-sided forms would not).
+
+    x: tensor of any ONNX numeric type (its carrier dtype); min / max: scalar tensors of x's dtype, or
+    absent. Bounds that are initializers are baked into the module as Python numbers (``lo`` / ``hi``;
+    ``forward`` then takes x alone); runtime bounds are ``forward`` arguments.
+    """
+
+    def __init__(self, lo: int | float | None = None, hi: int | float | None = None, baked: bool = False):
+        super().__init__()
+        self.lo, self.hi, self.baked = lo, hi, bool(baked)
+
+    def forward(self, x: torch.Tensor, min: torch.Tensor | None = None,  # noqa: A002  (ONNX input names)
+                max: torch.Tensor | None = None) -> torch.Tensor:  # noqa: A002, D102
+        if self.baked:
+            lo, hi = self.lo, self.hi
+            if x.dtype in _WIDE_UNSIGNED:  # torch does not promote Python ints with uint16/32/64 tensors
+                lo = None if lo is None else torch.tensor(lo, dtype=x.dtype, device=x.device)
+                hi = None if hi is None else torch.tensor(hi, dtype=x.dtype, device=x.device)
+        else:
+            lo = None if min is None else min.reshape(()).to(x.dtype)
+            hi = None if max is None else max.reshape(()).to(x.dtype)
+        if x.is_floating_point():
+            if lo is None or hi is None:
+                fi = torch.finfo(x.dtype)
+                as_tensor = isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor)
+                if lo is None:
+                    lo = torch.tensor(fi.min, dtype=x.dtype, device=x.device) if as_tensor else fi.min
+                if hi is None:
+                    hi = torch.tensor(fi.max, dtype=x.dtype, device=x.device) if as_tensor else fi.max
+        elif lo is None and hi is None:  # an integer type's own limits clip nothing
+            return x
+        return torch.clamp(x, lo, hi)
+
+
+def _clip(node: OnnxNode, graph: OnnxGraph):
+    ins = node.input_values
+    bounds = [v for v in ins[1:3] if v]
+    if all(v in graph.initializers for v in bounds):
+        vals = []
+        for i in (1, 2):
+            t = const_tensor(node, graph, i)
+            if t is not None and t.numel() != 1:
+                raise ConversionNotSupported(f"Clip node {node.name!r}: input {i} ({ins[i]!r}) must be a scalar, "
+                                             f"got shape {list(t.shape)}")
+            vals.append(None if t is None else t.reshape(()).item())
+        return result(OnnxClip(vals[0], vals[1], baked=True), node, (ins[0],))
+    return result(OnnxClip(), node)
+
+
+# onnx2torch registers Clip-11/12/13 (constant bounds only, cast to float): overridden; Clip-6 (attributes)
+# stays onnx2torch's
+register_versions("Clip", 11, _clip, override=[11, 12, 13])
 
 
 # ============================================================================================ bit ops

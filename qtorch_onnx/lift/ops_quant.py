@@ -113,12 +113,28 @@ def encode_float8(x: torch.Tensor, onnx_type: int, saturate: bool) -> torch.Tens
     return y
 
 
+#: float32 bit patterns of the quiet NaNs ONNX Runtime (and ml_dtypes) widen float8 NaNs to: sign of the code
+_QNAN_BITS = (0x7FC00000, -0x00400000)  # 0x7FC00000, 0xFFC00000 as int32
+
+
 def decode(x: torch.Tensor, onnx_type: int | None) -> torch.Tensor:
     """Carrier tensor of ``onnx_type`` -> a tensor torch arithmetic accepts (small-float codes -> float32;
-    float8 -> float32; others unchanged)."""
+    float8 -> float32; others unchanged).
+
+    Float8 NaN codes become the quiet float32 NaN with the code's sign bit (0x7FC00000 / 0xFFC00000), as
+    ONNX Runtime's Cast and DequantizeLinear give them; torch's own widening keeps payload bits (e.g.
+    float8_e4m3fnuz's NaN 0x80 -> 0x7F800001, a signalling NaN of the wrong sign)."""
     if onnx_type in SMALL_FLOAT:
         return decode_small_float(x, onnx_type)
-    if onnx_type in FLOAT8 or onnx_type == TP.FLOAT8E8M0:
+    if onnx_type in FLOAT8:
+        y = x.to(torch.float32)
+        if x.element_size() != 1:  # not a float8 carrier (already widened): nothing to canonicalize
+            return y
+        negative = (x.view(torch.uint8) & 0x80) != 0
+        qnan = torch.where(negative, torch.tensor(_QNAN_BITS[1], dtype=torch.int32, device=x.device),
+                           torch.tensor(_QNAN_BITS[0], dtype=torch.int32, device=x.device)).view(torch.float32)
+        return torch.where(torch.isnan(y), qnan, y)
+    if onnx_type == TP.FLOAT8E8M0:
         return x.to(torch.float32)
     return x
 

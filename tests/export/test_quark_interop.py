@@ -26,7 +26,6 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from qtorch_onnx import get_library_path
-from qtorch_onnx.errors import UnsupportedOpsError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "quark_interop")
 MANIFEST = os.path.join(DATA, "manifest.json")
@@ -196,23 +195,24 @@ def test_quark_model_outputs_bit_identical(config, lib):
             assert np.array_equal(_bits(y), _bits(want)), (config, name, float(np.abs(y - want).max()))
 
 
-@pytest.mark.parametrize("config", ["BFP16", "MX9", "BF16"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_lifter_on_quark_models(config):
-    """This project's lifter on a Quark model: once it lifts com.amd.quark nodes, the torch module must
-    reproduce Quark's outputs closely (float ops accumulate in another order, so not bit for bit)."""
+    """This project's lifter on a Quark model (com.amd.quark nodes lifted by qtorch_onnx/lift/ops_quark.py, com.microsoft
+    Q/DQ weights, run-time Conv weights): the torch module gives Quark's library's outputs bit for bit. The float
+    ops between quantizers may differ in the last bit, but every quantizer absorbs that here, except with
+    INT32 activations (A32W8), whose step is finer than a float32 ulp: compared to 1e-6 there."""
     import torch
 
     import qtorch_onnx as qo
 
     _, model, samples = _case(config)
-    try:
-        gm = qo.lift(model)
-    except UnsupportedOpsError as exc:
-        assert "com.amd.quark" in str(exc)
-        pytest.xfail(f"the lifter has no converter for Quark's operators yet: {str(exc).splitlines()[1].strip()}")
+    gm = qo.lift(model)
     for s in samples:
         with torch.no_grad():
             y = gm(*[torch.from_numpy(v) for v in s["input"].values()])
-        y = y[0] if isinstance(y, (tuple, list)) else y
+        y = (y[0] if isinstance(y, (tuple, list)) else y).numpy()
         want = next(iter(s["output"].values()))
-        assert np.abs(y.numpy() - want).max() <= 1e-3
+        if config == "A32W8":
+            assert np.abs(y - want).max() <= 1e-6
+        else:
+            assert np.array_equal(_bits(y), _bits(want)), (config, float(np.abs(y - want).max()))

@@ -413,15 +413,6 @@ def test_unsigned_wide_integer_arithmetic_against_numpy():
     _check(m16, {"a": np.array([65535, 7, 100], np.uint16), "b": np.array([2, 7, 33], np.uint16)}, exact=True)
 
 
-def test_override_whose_onnx2torch_converter_rejects_the_node_is_reported(monkeypatch):
-    node = helper.make_node("Clip", ["x", "lo"], ["y"], name="clip")
-    m = make_model([node], [("x", F, [2, 3]), ("lo", F, [])], [("y", F, None)], opset=13)
-    monkeypatch.setitem(conv.OVERRIDES, ("", "Clip", 13), lambda n, g: None)  # an override that accepts the node
-    with pytest.raises(UnsupportedOpsError, match="onnx2torch's Clip-13 converter") as info:
-        lift(m)
-    assert "workaround" in str(info.value)
-
-
 def test_com_microsoft_16bit_qdq_matches_ort():
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], domain="com.microsoft"),
              helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], domain="com.microsoft")]
@@ -431,11 +422,3 @@ def test_com_microsoft_16bit_qdq_matches_ort():
     _check(m, {"x": _rand(2, 5) * 20}, exact=True)
 
 
-def test_int4_initializer_is_reported_not_crashing():
-    node = helper.make_node("DequantizeLinear", ["w", "s"], ["y"], name="dq")
-    m = make_model([node, helper.make_node("Add", ["y", "x"], ["z"])], [("x", F, [4])], [("z", F, None)],
-                   {"s": np.array(0.5, np.float32)}, opset=21)
-    m.graph.initializer.append(helper.make_tensor("w", TensorProto.INT4, [4], [1, -2, 3, 7]))
-    with pytest.raises(UnsupportedOpsError, match="element type INT4") as info:
-        lift(m)
-    assert info.value.ops[0][3] == ["dq"] and "graph input" in str(info.value)
