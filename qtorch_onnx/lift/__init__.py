@@ -7,6 +7,7 @@ Public API:
         (gm.onnx_model, gm.tensor_map, gm.input_names, gm.output_names)
     check_supported(model) -> None (raises UnsupportedOpsError), load_model(model_or_path)
     register_converter(op_type, versions, domain="") -> decorator adding/overriding an onnx2torch converter
+    optimize_for_inference(gm, example_inputs, *, compile="none"|"jit"|"inductor") -> a faster copy (inference)
     TensorMap, TensorRef, ModelInfo, NodeInfo, TensorInfo
 
 Recurrent ops (LSTM, GRU, RNN, com.microsoft::DynamicQuantizeLSTM: :mod:`.recurrent`) and control flow
@@ -21,8 +22,9 @@ from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
 from .lifter import check_supported, lift, load_model
 from .converters import register_converter
 from . import ops_quark  # noqa: F401,E402  (registers com.amd.quark / com.vai.quantize converters)
+from .optimize import optimize_for_inference
 
 __all__ = [
     "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",
-    "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo", "register_converter",
+    "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo", "register_converter", "optimize_for_inference",
 ]

