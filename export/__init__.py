@@ -259,7 +259,7 @@ def safe_name(name: str) -> str:
 def _as_imported(fq: FakeQuantize, scale: np.ndarray, zp: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Scale and zero point in the shapes an imported model stored them (``fq.qparam_shapes``, e.g. Quark's
     ``[1]`` scale beside a ``[]`` zero point), when the element counts allow it."""
-    shapes = getattr(fq, "qparam_shapes", None)
+    shapes = fq.qparam_shapes
     if shapes is None:
         return scale, zp
     s_shape, z_shape = shapes
@@ -385,7 +385,7 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
     x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
-    if getattr(fq, "weight_storage", "quantized") == "float" and not isinstance(fmt, (BFPFormat, MXFormat)):
+    if fq.weight_storage == "float" and not isinstance(fmt, (BFPFormat, MXFormat)):
         # the float initializer feeds the quantizer's nodes, as an activation's value would
         nodes, inits, qn = _activation_nodes(tensor, base, f"{base}_float", tensor, fq, qdomain)
         qn.role = fq.role

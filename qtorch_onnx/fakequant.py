@@ -24,6 +24,7 @@ from .errors import ConfigError, UnsupportedFeatureError
 from .formats import floating as _floating
 from .formats import integer as _integer
 from .formats.spec import BFPFormat, FloatFormat, Format, IntFormat, MXFormat
+from .placement import edge_key
 
 ROLES = ("activation", "weight", "bias")
 MODES = ("float", "observe", "quantize")
@@ -114,7 +115,7 @@ class FakeQuantize(nn.Module):
     @property
     def key(self) -> str:
         """The placement key: ``tensor_name``, or ``"<tensor> -> <consumer>"`` for a consumer-side quantizer."""
-        return self.tensor_name if self.consumer is None else f"{self.tensor_name} -> {self.consumer}"
+        return self.tensor_name if self.consumer is None else edge_key(self.tensor_name, self.consumer)
 
     @property
     def needs_calibration(self) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
@@ -189,8 +190,8 @@ class _Finder:
         if a.get("block_size"):
             self.kept[node.name] = "blocked quantization (block_size attribute)"
             return -1
-        if scale.ndim == 0 or scale.size == 1 and scale.ndim <= 1 and "axis" not in a:
-            return None
+        if scale.size == 1 and (scale.ndim != 1 or "axis" not in a):
+            return None  # per tensor (a [1] scale with an axis attribute stays per channel)
         axis = int(a.get("axis", default))
         if axis < 0:
             r = _rank(self.model, self.inits, tensor)
@@ -198,7 +199,7 @@ class _Finder:
                 self.kept[node.name] = f"negative axis {axis} on {tensor!r}, whose rank is unknown"
                 return -1
             axis += r
-        return axis if scale.size > 1 or scale.ndim == 1 else None
+        return axis
 
     def find(self) -> List[_Found]:
         found: List[_Found] = []
@@ -323,7 +324,9 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
     found = finder.find()
     report = ImportReport(kept=dict(finder.kept))
     float_model, specs, params = _float_model(work, found, finder, report)
+    t0 = time.perf_counter()
     gm = lift(float_model, fold_batchnorm=False)
+    t_lift = time.perf_counter() - t0
     tm = gm.tensor_map
     info = GraphInfo.build(gm.onnx_model)
     plan_specs: Dict[str, QuantSpec] = {}
@@ -362,7 +365,7 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
     qm = attach_quantizers(gm, plan, cfg, setup)
     qm.set_mode("quantize")
     qm.import_report = report
-    qm.stage_times["lift"] = 0.0
+    qm.stage_times["lift"] = t_lift
     if device is not None:
         qm.to(device)
     return qm

@@ -312,26 +312,9 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
             if n.op_type == "BatchNormalization" and slot in (3, 4):
                 continue
             if t in info.initializers:
-                dims = tuple(info.initializers[t].dims)
-                is_bias = n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2
-                if is_bias:
-                    if integer_bias and cfg.quantize_bias:
-                        add(QuantSpec(t, INT32, "bias", axis=None, symmetric=True, bias_of=(n.input[0], n.input[1])))
-                    elif cfg.quantize_bias:
-                        add(QuantSpec(t, w_fmt, "weight", axis=None, symmetric=cfg.weight_symmetric,
-                                      narrow_range=cfg.weight_symmetric, scaled=cfg.weight_scaled))
-                    continue
-                fmt = w_fmt
-                if cfg.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS:
-                    fmt = act_fmt
-                axis = None
-                if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2:
-                    if cfg.per_channel and isinstance(fmt, IntFormat):
-                        axis = _weight_axis(n, slot, len(dims))
-                sym = cfg.weight_symmetric if fmt == w_fmt else cfg.activation_symmetric
-                add(QuantSpec(t, fmt, "weight", axis=axis, symmetric=sym,
-                              narrow_range=sym and isinstance(fmt, IntFormat) and fmt.signed,
-                              scaled=cfg.weight_scaled))
+                spec = _initializer_spec(n, slot, t, info, cfg, w_fmt, act_fmt, integer_bias)
+                if spec is not None:
+                    add(spec)
             else:
                 add(act_spec(t))
         for t in n.output:
@@ -397,6 +380,29 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
     return Plan(specs=specs, info=info)
 
 
+def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: GraphInfo, cfg: ResolvedConfig, w_fmt: Format,
+                      act_fmt: Format, integer_bias: bool) -> Optional[QuantSpec]:
+    """Quantizer of float initializer ``t`` read by node ``n`` at input ``slot`` (module docstring): a bias
+    (Conv/ConvTranspose/Gemm input 2) is INT32 with ``scale_x * scale_w`` when ``integer_bias``, else in
+    ``w_fmt``, or None when biases are not quantized; other initializers are weights in ``w_fmt`` (``act_fmt``
+    for element-wise ops under AlignEltwiseQuantType), per output channel when configured."""
+    if n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2:
+        if not cfg.quantize_bias:
+            return None
+        if integer_bias:
+            return QuantSpec(t, INT32, "bias", axis=None, symmetric=True, bias_of=(n.input[0], n.input[1]))
+        return QuantSpec(t, w_fmt, "weight", axis=None, symmetric=cfg.weight_symmetric,
+                         narrow_range=cfg.weight_symmetric, scaled=cfg.weight_scaled)
+    dims = tuple(info.initializers[t].dims)
+    fmt = act_fmt if cfg.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS else w_fmt
+    axis = None
+    if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel and isinstance(fmt, IntFormat):
+        axis = _weight_axis(n, slot, len(dims))
+    sym = cfg.weight_symmetric if fmt == w_fmt else cfg.activation_symmetric
+    return QuantSpec(t, fmt, "weight", axis=axis, symmetric=sym,
+                     narrow_range=sym and isinstance(fmt, IntFormat) and fmt.signed, scaled=cfg.weight_scaled)
+
+
 def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
                in_scope, folded: set) -> Dict[str, QuantSpec]:
     """Layer-wise mixed precision (module docstring): updates ``specs`` (weights, biases, inputs read only by
@@ -422,25 +428,9 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
             if data_inputs is not None and slot not in data_inputs:
                 continue
             if t in info.initializers:
-                dims = tuple(info.initializers[t].dims)
-                if n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2:
-                    if not cfg.quantize_bias:
-                        continue
-                    if int_bias:
-                        specs[t] = QuantSpec(t, INT32, "bias", symmetric=True, bias_of=(n.input[0], n.input[1]))
-                    else:
-                        specs[t] = QuantSpec(t, w_t, "weight", symmetric=cfg.weight_symmetric,
-                                             narrow_range=cfg.weight_symmetric and isinstance(w_t, IntFormat),
-                                             scaled=cfg.weight_scaled)
-                    continue
-                axis = None
-                if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel \
-                        and isinstance(w_t, IntFormat):
-                    axis = _weight_axis(n, slot, len(dims))
-                sym = cfg.weight_symmetric
-                specs[t] = QuantSpec(t, w_t, "weight", axis=axis, symmetric=sym,
-                                     narrow_range=sym and isinstance(w_t, IntFormat) and w_t.signed,
-                                     scaled=cfg.weight_scaled)
+                spec = _initializer_spec(n, slot, t, info, cfg, w_t, act_t, int_bias)
+                if spec is not None:
+                    specs[t] = spec
                 continue
             own = specs.get(t)
             readers = info.consumers.get(t, [])

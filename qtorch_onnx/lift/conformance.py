@@ -995,16 +995,10 @@ def copy_channels_last(gm):
     """A deep copy of ``gm`` with its 4-D parameters and buffers in ``torch.channels_last`` format."""
     import copy
 
-    import torch
+    from .optimize import _to_channels_last
 
     cl = copy.deepcopy(gm)
-    for mod in cl.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is not None and p.dim() == 4:
-                p.data = p.data.contiguous(memory_format=torch.channels_last)
-        for key, b in list(mod._buffers.items()):
-            if b is not None and b.dim() == 4:
-                mod._buffers[key] = b.contiguous(memory_format=torch.channels_last)
+    _to_channels_last(cl)
     return cl
 
 

@@ -34,32 +34,20 @@ _CARRIER = {TP.INT8: torch.int8, TP.UINT8: torch.uint8, TP.INT16: torch.int16, T
             TP.INT32: torch.int32, TP.UINT32: torch.uint32}
 
 
-class QuarkBFPQuantizeDequantize(nn.Module, OnnxToTorchModule):
-    """``BFPQuantizeDequantize``: x float32/float16 ``[...]`` -> same dtype and shape
-    (:func:`qtorch_onnx.ops.bfp_quantize_dequantize`, NUMERICS.md sections 4-6)."""
+class QuarkBlockQuantizeDequantize(nn.Module, OnnxToTorchModule):
+    """``BFPQuantizeDequantize`` (``kind="bfp"``: :func:`qtorch_onnx.ops.bfp_quantize_dequantize`, NUMERICS.md
+    sections 4-6) or ``MXQuantizeDequantize`` (``kind="mx"``: :func:`qtorch_onnx.ops.mx_quantize_dequantize`,
+    section 7) with the node's attributes: x float32/float16 ``[...]`` -> same dtype and shape."""
 
-    def __init__(self, **attrs):
+    def __init__(self, kind: str, **attrs):
         super().__init__()
-        self.attrs = attrs
+        self.kind, self.attrs = kind, attrs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         from .. import ops
 
-        return ops.bfp_quantize_dequantize(x, **self.attrs)
-
-
-class QuarkMXQuantizeDequantize(nn.Module, OnnxToTorchModule):
-    """``MXQuantizeDequantize``: x float32/float16 ``[...]`` -> same dtype and shape
-    (:func:`qtorch_onnx.ops.mx_quantize_dequantize`, NUMERICS.md section 7)."""
-
-    def __init__(self, **attrs):
-        super().__init__()
-        self.attrs = attrs
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        from .. import ops
-
-        return ops.mx_quantize_dequantize(x, **self.attrs)
+        fn = ops.bfp_quantize_dequantize if self.kind == "bfp" else ops.mx_quantize_dequantize
+        return fn(x, **self.attrs)
 
 
 class QuarkExtendedQuantizeLinear(nn.Module, OnnxToTorchModule):
@@ -109,7 +97,7 @@ def _bfp(node: OnnxNode, graph: OnnxGraph):
     if method not in ("to_bfp", "to_bfp_prime", "to_bfp_prime_shared"):
         raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: attribute bfp_method={method!r}; "
                                      "valid: 'to_bfp', 'to_bfp_prime'")
-    return result(QuarkBFPQuantizeDequantize(**kw), node)
+    return result(QuarkBlockQuantizeDequantize("bfp", **kw), node)
 
 
 def _mx(node: OnnxNode, graph: OnnxGraph):
@@ -119,7 +107,7 @@ def _mx(node: OnnxNode, graph: OnnxGraph):
     if kw["element_dtype"] not in valid:
         raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: attribute element_dtype="
                                      f"{kw['element_dtype']!r}; valid: {valid}")
-    return result(QuarkMXQuantizeDequantize(**kw), node)
+    return result(QuarkBlockQuantizeDequantize("mx", **kw), node)
 
 
 def _zero_point_type(node: OnnxNode, graph: OnnxGraph) -> int:
@@ -164,7 +152,6 @@ def _register_schemas() -> None:
     from onnx import defs, helper
 
     OS = defs.OpSchema
-    A = OS.AttrType
 
     def same_shape(out_type=None):
         def infer(ctx) -> None:
