@@ -12,7 +12,10 @@
   functions onnx2torch lacks (Acosh, Asinh, Atanh, Cosh, Sinh, Mish, Swish, Shrink,
   ThresholdedRelu, Selu with any alpha/gamma, IsInf with detect_positive/negative).
 * Clip-11/12/13 with constant *or runtime* ``min``/``max`` and every numeric type (overrides
-  onnx2torch's, which rejects runtime bounds and turns integer bounds into floats).
+  onnx2torch's, which rejects runtime bounds and turns integer bounds into floats; uint16/32/64,
+  which torch cannot clamp, through the order-preserving int64 image, exact).
+* onnx2torch's ArgMax/ArgMin, ReduceMax/ReduceMin (opsets 1-13), Abs and Sign wrapped
+  (:class:`OnnxOrderedUnsigned`) so that uint16/uint32/uint64 inputs work too.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops_common import (
-    TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, const_tensor, register_versions,
-    result, torch_dtype,
+    TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, OperationConverterResult, attr, const_tensor,
+    register_converter, register_versions, registered, result, torch_dtype,
 )
 
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
@@ -159,8 +162,9 @@ class OnnxClip(nn.Module, OnnxToTorchModule):
     the spec and ONNX Runtime). ``min > max`` gives ``max`` everywhere; NaN in x stays NaN, its bits
     kept (torch's two-sided ``clamp`` keeps them; the one-sided forms would not).
 
-    x: tensor of any ONNX numeric type (its carrier dtype); min / max: scalar tensors of x's dtype, or
-    absent. Bounds that are initializers are baked into the module as Python numbers (``lo`` / ``hi``;
+    x: tensor of any ONNX numeric type (its carrier dtype; uint16/32/64, for which torch has no clamp
+    kernel, are clipped exactly on their order-preserving int64 image); min / max: scalar tensors of x's
+    dtype, or absent. Bounds that are initializers are baked into the module as Python numbers (``lo`` / ``hi``;
     ``forward`` then takes x alone); runtime bounds are ``forward`` arguments.
     """
 
@@ -172,9 +176,6 @@ class OnnxClip(nn.Module, OnnxToTorchModule):
                 max: torch.Tensor | None = None) -> torch.Tensor:  # noqa: A002, D102
         if self.baked:
             lo, hi = self.lo, self.hi
-            if x.dtype in _WIDE_UNSIGNED:  # torch does not promote Python ints with uint16/32/64 tensors
-                lo = None if lo is None else torch.tensor(lo, dtype=x.dtype, device=x.device)
-                hi = None if hi is None else torch.tensor(hi, dtype=x.dtype, device=x.device)
         else:
             lo = None if min is None else min.reshape(()).to(x.dtype)
             hi = None if max is None else max.reshape(()).to(x.dtype)
@@ -188,7 +189,27 @@ class OnnxClip(nn.Module, OnnxToTorchModule):
                     hi = torch.tensor(fi.max, dtype=x.dtype, device=x.device) if as_tensor else fi.max
         elif lo is None and hi is None:  # an integer type's own limits clip nothing
             return x
+        elif x.dtype in _WIDE_UNSIGNED:
+            return _clamp_unsigned(x, lo, hi)
         return torch.clamp(x, lo, hi)
+
+
+def _ordered_bound(v: torch.Tensor | int | None, dtype: torch.dtype) -> torch.Tensor | int | None:
+    """A uint16/32/64 bound (tensor of ``dtype`` or Python int) in :func:`_to_ordered_int64`'s image."""
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        return _to_ordered_int64(v.to(dtype))
+    v = int(v)
+    return v - (1 << 63) if dtype == torch.uint64 else v
+
+
+def _clamp_unsigned(x: torch.Tensor, lo, hi) -> torch.Tensor:
+    """``clamp(x, lo, hi)`` for uint16/uint32/uint64 ``x``, for which torch has no clamp/min/max/compare
+    kernels: computed exactly on the order-preserving int64 image (uint64: the bit pattern with its sign
+    bit flipped, so values of 2^63 and above stay exact) and mapped back. ``lo > hi`` gives ``hi``."""
+    y = torch.clamp(_to_ordered_int64(x), _ordered_bound(lo, x.dtype), _ordered_bound(hi, x.dtype))
+    return _from_ordered_int64(y, x.dtype)
 
 
 def _clip(node: OnnxNode, graph: OnnxGraph):
@@ -209,6 +230,49 @@ def _clip(node: OnnxNode, graph: OnnxGraph):
 # onnx2torch registers Clip-11/12/13 (constant bounds only, cast to float): overridden; Clip-6 (attributes)
 # stays onnx2torch's
 register_versions("Clip", 11, _clip, override=[11, 12, 13])
+
+
+# ============================================================================ order-only ops on uint16/32/64
+class OnnxOrderedUnsigned(nn.Module, OnnxToTorchModule):
+    """onnx2torch's ArgMax/ArgMin, ReduceMax/ReduceMin (opsets 1-13), Abs and Sign made total on
+    uint16/uint32/uint64, for which torch has no max/min/argmax/abs/sign kernels.
+
+    ``kind``: ``"index"`` (ArgMax/ArgMin: ``inner`` runs on the order-preserving int64 image of x,
+    :func:`_to_ordered_int64`, so ties and ``select_last_index`` behave as on the original values),
+    ``"value"`` (ReduceMax/ReduceMin: the same, the result mapped back to x's dtype; exact, uint64 values
+    of 2^63 and above included), ``"abs"`` (unsigned: x itself) or ``"sign"`` (unsigned: 1 where x != 0,
+    else 0, in x's dtype). Other dtypes call ``inner`` (onnx2torch's module) unchanged.
+    """
+
+    def __init__(self, inner: nn.Module, kind: str):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        if x.dtype not in _WIDE_UNSIGNED:
+            return self.inner(x, *rest)
+        if self.kind == "abs":
+            return x.clone()
+        if self.kind == "sign":
+            return (x != 0).to(x.dtype)
+        y = self.inner(_to_ordered_int64(x), *rest)
+        return _from_ordered_int64(y, x.dtype) if self.kind == "value" else y
+
+
+def _ordered_unsigned(op_type: str, version: int, kind: str):
+    def convert(node: OnnxNode, graph: OnnxGraph):
+        res = registered(op_type, version)(node, graph)  # onnx2torch's own converter for this version
+        return OperationConverterResult(torch_module=OnnxOrderedUnsigned(res.torch_module, kind),
+                                        onnx_mapping=res.onnx_mapping)
+    return convert
+
+
+for _op, _kind, _versions in (("ArgMax", "index", (11, 12, 13)), ("ArgMin", "index", (11, 12, 13)),
+                              ("ReduceMax", "value", (1, 11, 12, 13)), ("ReduceMin", "value", (1, 11, 12, 13)),
+                              ("Abs", "abs", (6, 13)), ("Sign", "sign", (9, 13))):
+    for _v in _versions:
+        if registered(_op, _v) is not None:  # onnx2torch's key: overridden by a wrapper around it
+            register_converter(_op, [_v])(_ordered_unsigned(_op, _v, _kind))
 
 
 # ============================================================================================ bit ops

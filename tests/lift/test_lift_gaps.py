@@ -143,6 +143,69 @@ def test_an_override_that_rejects_the_node_is_reported_with_its_own_reason(monke
     assert info.value.ops == [("", "Clip", 13, ["clip"])] and "Dynamic value" not in str(info.value)
 
 
+WIDE_INT_TYPES = {"uint16": (TP.UINT16, np.uint16), "uint32": (TP.UINT32, np.uint32), "uint64": (TP.UINT64, np.uint64),
+                  "int16": (TP.INT16, np.int16)}
+
+
+def _wide_values(np_t, shape=(3, 5)) -> np.ndarray:
+    """Random values over the whole range of ``np_t`` plus both extremes (uint64: values of 2^63 and above)."""
+    info = np.iinfo(np_t)
+    x = RNG.integers(info.min, info.max, shape, dtype=np_t, endpoint=True)
+    x.flat[:2] = [info.min, info.max]
+    return x
+
+
+@pytest.mark.parametrize("dtype", list(WIDE_INT_TYPES))
+def test_clip_on_16_32_64_bit_integers_without_torch_kernels(dtype):
+    """Clip-13 on uint16/uint32/uint64 (torch has no clamp kernel for them) and int16, bounds at run time
+    and baked, min > max; uint64 bounds and values above 2^63 stay exact. ORT has no uint16/int16 Clip
+    kernel (with bounds): those cases are checked against ONNX's reference evaluator."""
+    t, np_t = WIDE_INT_TYPES[dtype]
+    info = np.iinfo(np_t)
+    x = _wide_values(np_t)
+    if info.min == 0:
+        lo, hi = np.array(info.max // 3, np_t), np.array(info.max - info.max // 5, np_t)  # uint64: both >= 2^63 / 3
+    else:
+        lo, hi = np.array(-1000, np_t), np.array(20000, np_t)
+    srcs = set()
+    for inputs, feeds in ((("lo", "hi"), {"lo": lo, "hi": hi}), (("lo",), {"lo": lo}), (("", "hi"), {"hi": hi}),
+                          ((), {}), (("lo", "hi"), {"lo": hi, "hi": lo})):
+        srcs.add(_check(_clip_model(t, 13, inputs), {"x": x, **feeds}))
+        consts = {k: v for k, v in (("lo", feeds.get("lo")), ("hi", feeds.get("hi"))) if v is not None}
+        srcs.add(_check(_clip_model(t, 13, inputs, consts), {"x": x}))  # baked bounds
+    if dtype in ("uint32", "uint64"):
+        assert srcs == {"ort"}
+    if dtype == "uint64":  # the exact answer, independent of any oracle
+        got = run_gm(lift(_clip_model(t, 13, ("lo", "hi"))), {"x": x, "lo": lo, "hi": hi})[0]
+        assert np.array_equal(got, np.clip(x, lo, hi)) and got.max() >= np.uint64(1 << 63)
+
+
+def _order_op_model(op: str, t: int, opset: int, **attrs):
+    out_t = TP.INT64 if op.startswith("Arg") else t
+    node = helper.make_node(op, ["x"], ["y"], name="n", **attrs)
+    return make_model([node], [("x", t, [3, 5])], [("y", out_t, None)], opset=opset)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+@pytest.mark.parametrize("op,opset,attrs", [
+    ("ArgMax", 13, {"axis": 1}), ("ArgMax", 13, {"axis": 0, "keepdims": 0, "select_last_index": 1}),
+    ("ArgMin", 13, {"axis": 1}), ("ArgMin", 11, {"axis": 0}),
+    ("ReduceMax", 13, {"axes": [1]}), ("ReduceMin", 13, {"axes": [0], "keepdims": 0}), ("ReduceMax", 11, {}),
+    ("Abs", 13, {}), ("Sign", 13, {}),
+])
+def test_order_ops_on_unsigned_16_32_64_bit_integers(dtype, op, opset, attrs):
+    """ArgMax/ArgMin, ReduceMax/ReduceMin (opsets up to 13), Abs and Sign on the unsigned types torch has no
+    max/argmax/abs/sign kernel for: exact (uint64 above 2^63 included), ties as in the spec (repeated
+    values), against ORT or ONNX's reference evaluator."""
+    if op.startswith("Reduce") and dtype == "uint16":
+        pytest.skip("ONNX ReduceMax/ReduceMin have no uint16")
+    t, np_t = WIDE_INT_TYPES[dtype]
+    x = _wide_values(np_t)
+    x[1, 2] = x[1, 3] = x[0, 1]  # ties with the maximum
+    x[2, 0] = 0
+    _check(_order_op_model(op, t, opset, **attrs), {"x": x})
+
+
 # ================================================================================ 2. bfloat16 / float8 / int4 tensors
 TYPED = {"bfloat16": TP.BFLOAT16, "float8e4m3fn": TP.FLOAT8E4M3FN, "float8e4m3fnuz": TP.FLOAT8E4M3FNUZ,
          "float8e5m2": TP.FLOAT8E5M2, "float8e5m2fnuz": TP.FLOAT8E5M2FNUZ, "int4": TP.INT4, "uint4": TP.UINT4}
