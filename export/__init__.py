@@ -50,7 +50,8 @@ from qtorch_onnx.formats import floating as _floating
 from qtorch_onnx.formats import integer as _integer
 from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
 
-__all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "safe_name", "QUARK_DOMAIN"]
+__all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "save_bytes_atomic", "safe_name",
+           "QUARK_DOMAIN"]
 
 #: custom operator domain of Quark 0.13 and of this project's operator library (OPS.md)
 QUARK_DOMAIN = "com.amd.quark"
@@ -96,27 +97,48 @@ def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> 
         raise
 
 
-def _current_initializer_values(qm) -> Dict[str, np.ndarray]:
-    """Initializer values as the torch model holds them now (after any finetuning), in ONNX layout."""
-    out: Dict[str, np.ndarray] = {}
-    gm = qm.gm
-    init_names = {t.name for t in qm.onnx_model.graph.initializer}
-    for name in init_names:
-        refs = qm.tensor_map.refs(name) if name in qm.tensor_map else ()
-        for r in refs:
-            if r.kind == "param":
-                module = gm.get_submodule(r.module)
-                if hasattr(module, "parametrizations") and r.attr in module.parametrizations:
-                    value = module.parametrizations[r.attr].original
-                else:
-                    value = getattr(module, r.attr)
-                value = value.detach().cpu()
-                perm = getattr(r, "perm", None)
-                if perm:
-                    value = value.permute(*np.argsort(perm).tolist())
-                out[name] = value.contiguous().numpy()
-                break
-    return out
+def save_bytes_atomic(data: bytes, path: Union[str, os.PathLike]) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``), with the
+    permissions a plain ``open(path, "wb")`` would give (the user's umask)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy, bfloat16 as ml_dtypes.bfloat16 (bit-exact)."""
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+
+
+def _weight_integers(qm, tensor: str, fq: FakeQuantize) -> Optional[np.ndarray]:
+    """The integers an integer weight quantizer stores, computed where the emulation computes them: from the
+    live parameter in the torch module's layout (so a rounding hook's hard result is what gets written),
+    then put in the ONNX layout."""
+    from qtorch_onnx.training import initializer_locations, live_value, to_onnx_layout
+
+    init = next((t for t in qm.onnx_model.graph.initializer if t.name == tensor), None)
+    for module, attr, perm in initializer_locations(qm, tensor):
+        value = live_value(module, attr)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            q = fq.quantize_integer(value.detach())
+            return to_onnx_layout(q.cpu(), perm, tuple(init.dims)).numpy() if init is not None else q.cpu().numpy()
+    return None
 
 
 def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool = False, check: bool = True):
@@ -134,17 +156,22 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     Raises:
         ExportError: a quantizer is not calibrated, or its format needs the custom operator library.
     """
+    from qtorch_onnx.training import live_initializers
+
     model = onnx.ModelProto()
     model.CopyFrom(qm.onnx_model)
     graph = model.graph
     fqs: Dict[str, FakeQuantize] = qm.quantizers()
-    current = _current_initializer_values(qm)
+    qm.sync_qparams()  # derived state (weight qparams, INT32 bias scales) from the live parameters
+    for fq in fqs.values():
+        if fq.calibrated:
+            fq.check_qparams()
+    current = {name: _to_numpy(t) for name, t in live_initializers(qm).items()}
     inits = {t.name: t for t in graph.initializer}
     for name, value in current.items():
         old = inits[name]
-        if old.data_type == TensorProto.FLOAT:
-            new = numpy_helper.from_array(value.astype(np.float32), name)
-            old.CopyFrom(new)
+        new = numpy_helper.from_array(value, name)
+        old.CopyFrom(new)
 
     opset = _opset(model)
     needs_16 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits == 16 for f in fqs.values())
@@ -165,6 +192,22 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     consumers_rewire: Dict[str, str] = {}
 
     edge_fqs = {k: fq for k, fq in fqs.items() if fq.consumer is not None}
+    taken = _graph_names(graph)
+
+    def claim(base: str, make):
+        """Run ``make(base)`` with the first of ``base``, ``base_1``, ... whose new names collide with no name of
+        the graph (a tensor ``ln`` and an initializer ``ln_scale`` must not both give ``ln_scale``)."""
+        k = 0
+        while True:
+            b = base if k == 0 else f"{base}_{k}"
+            nodes, new_inits, qn = make(b)
+            new = [i.name for i in new_inits] + [n.name for n in nodes] + \
+                [o for n in nodes for o in n.output if o != qn.output]
+            if not (set(new) & taken) and len(set(new)) == len(new):
+                taken.update(new)
+                return nodes, new_inits, qn
+            k += 1
+
     for tensor, fq in fqs.items():
         if fq.consumer is not None:
             continue
@@ -176,8 +219,10 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         if is_init:
             value = current.get(tensor)
             if value is None:
-                value = numpy_helper.to_array(inits[tensor]).astype(np.float32)
-            nodes, new_inits, qn = _weight_nodes(tensor, base, value, fq, qdomain)
+                value = numpy_helper.to_array(inits[tensor])
+            value = np.asarray(value, dtype=np.float32)
+            qint = _weight_integers(qm, tensor, fq) if isinstance(fmt, IntFormat) else None
+            nodes, new_inits, qn = claim(base, lambda b: _weight_nodes(tensor, b, value, fq, qdomain, qint))
             graph.initializer.remove(inits[tensor])
             graph.initializer.extend(new_inits)
             front.extend(nodes)
@@ -194,7 +239,7 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
                 consumers_rewire[tensor] = out
             else:
                 raise ExportError(f"tensor {tensor!r} is neither produced by a node nor a graph input")
-            nodes, new_inits, qn = _activation_nodes(tensor, base, src, out, fq, qdomain)
+            nodes, new_inits, qn = claim(base, lambda b: _activation_nodes(tensor, b, src, out, fq, qdomain))
             graph.initializer.extend(new_inits)
             if tensor in producer:
                 new_nodes.setdefault(producer[tensor].name, []).extend(nodes)
@@ -214,7 +259,10 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         src = own.input if (own is not None and not fq.chained) else read
         base = safe_name(f"{tensor}_{fq.consumer}")
         out = f"{base}_Output"
-        nodes, new_inits, qn = _activation_nodes(key, base, src, out, fq, qdomain)
+        while out in taken:
+            out = f"{out}_1"
+        taken.add(out)
+        nodes, new_inits, qn = claim(base, lambda b: _activation_nodes(key, b, src, out, fq, qdomain))
         graph.initializer.extend(new_inits)
         before.setdefault(fq.consumer, []).extend(nodes)
         edge_rewire.setdefault(fq.consumer, {})[read] = out
@@ -249,6 +297,17 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     if path is not None:
         save_model_atomic(model, path)
     return (model, qmap) if return_map else model
+
+
+def _graph_names(graph: onnx.GraphProto) -> set:
+    """Every tensor and node name of a graph (to keep the names export adds unique)."""
+    names = {t.name for t in graph.initializer} | {v.name for v in graph.input} | {v.name for v in graph.output}
+    names |= {v.name for v in graph.value_info}
+    for n in graph.node:
+        names.add(n.name)
+        names.update(i for i in n.input if i)
+        names.update(o for o in n.output if o)
+    return names
 
 
 def safe_name(name: str) -> str:
@@ -381,7 +440,7 @@ def _cast_form(tensor, base, src, out, fq: FakeQuantize, qn: QuantizerNodes):
     return nodes, inits, qn
 
 
-def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
+def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qint: Optional[np.ndarray] = None):
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
     x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
@@ -416,7 +475,9 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain):
     if isinstance(fmt, IntFormat):
         axis = fq.onnx_axis if fq.scale.dim() > 0 else None
         scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()
-        if fq.role == "bias" and fmt.bits == 32:
+        if qint is not None:
+            q = torch.from_numpy(np.asarray(qint))
+        elif fq.role == "bias" and fmt.bits == 32:
             q = _integer.quantize_bias(x, scale)
         else:
             q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)

@@ -1,21 +1,30 @@
 """FakeQuantize: one numeric format on one ONNX tensor, with its state and straight-through gradients.
 
 A :class:`FakeQuantize` is identified by the ONNX tensor it sits on (``tensor_name``) and its ``role``
-(activation, weight or bias). It holds the :mod:`qtorch_onnx.formats` spec, the per-tensor or
-per-channel ``scale`` / ``zero_point`` buffers, and an optional calibration observer. It runs in one of
-three modes:
+(activation, weight or bias). It holds a frozen spec (the :mod:`qtorch_onnx.formats` format, axis, symmetry,
+range) and mutable state updated in place: the per-tensor or per-channel ``scale`` / ``zero_point`` (buffers,
+or parameters once learnable), the calibration observer, an optional weight-rounding hook.
 
-* ``"float"``: pass-through (the float model);
-* ``"observe"``: pass-through while its observer records ranges (calibration);
-* ``"quantize"``: fake quantization (quantize then dequantize in float32), differentiable with the
-  straight-through estimator of NUMERICS.md section 8.
+Two independent switches, as in ``torch.ao.quantization.FakeQuantize``:
 
-The numerics are the :mod:`qtorch_onnx.formats` reference functions; block formats dispatch to the
-Triton kernels on CUDA when available (see ``backend``).
+* ``observer_enabled``: activations feed their observer (calibration statistics); weights and value-derived
+  biases recompute their qparams from the tensor they receive (the live parameter) on every call;
+* ``fake_quant_enabled``: quantize-dequantize (float32), differentiable with the straight-through estimator of
+  NUMERICS.md section 8; an uncalibrated quantizer passes its input through until it has parameters.
+
+The older ``mode`` names map onto them: ``"float"`` (both off), ``"observe"`` (observer only), ``"quantize"``
+(fake quantization; weights keep following their live values).
+
+Training hooks: :meth:`FakeQuantize.set_learnable` turns the scale (LSQ, log2 domain for power-of-two
+scales) and an asymmetric zero point (LSQ+) into parameters; :meth:`FakeQuantize.set_rounding` replaces the
+nearest rounding of an integer weight by a :class:`WeightRounding` (AdaRound plugs in here); INT32 bias
+scales are derived from the live input and weight scales (:meth:`FakeQuantize.set_bias_sources`).
+Block formats dispatch to the Triton kernels on CUDA when available (see ``backend``).
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,6 +37,54 @@ from .placement import edge_key
 
 ROLES = ("activation", "weight", "bias")
 MODES = ("float", "observe", "quantize")
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round half to even with a straight-through (identity) gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+class WeightRounding(nn.Module):
+    """How an integer weight quantizer rounds ``v = float32(w / scale)`` (the weight-rounding hook).
+
+    Subclasses define :meth:`forward` (the value used while training: may be soft and differentiable with
+    respect to the hook's own parameters) and :meth:`hard` (the integer-valued result used in eval mode and
+    written by export). With ``module.eval()`` (or ``hard_mode=True``) the quantizer's forward uses :meth:`hard`,
+    so emulation and export give the same bits.
+
+    Saving: :func:`qtorch_onnx.save` records ``type(hook)`` (a class importable from ``qtorch_onnx``),
+    :meth:`config` and the state dict; :meth:`from_saved` rebuilds it.
+    """
+
+    hard_mode: bool = False
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def hard(self, v: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def config(self) -> Dict[str, Any]:
+        """Constructor keyword arguments (plain Python values) that :meth:`from_saved` needs."""
+        return {}
+
+    @classmethod
+    def from_saved(cls, config: Dict[str, Any], state: Dict[str, torch.Tensor]) -> "WeightRounding":
+        """Rebuild a hook from :meth:`config` and its state dict."""
+        hook = cls(**config)
+        hook.load_state_dict(state)
+        return hook
+
+
+class NearestRounding(WeightRounding):
+    """Round half to even (ONNX QuantizeLinear's rounding) with a straight-through gradient: the default
+    behaviour, as a hook object (useful to restore after another hook)."""
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return _round_ste(v)
+
+    def hard(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.round(v)
 
 
 class FakeQuantize(nn.Module):
@@ -90,7 +147,15 @@ class FakeQuantize(nn.Module):
         self.power_of_two = power_of_two
         self.consumer = consumer
         self.chained = chained
-        self.mode = "float"
+        #: torch.ao-style switches (module docstring); ``observer_enabled`` is a property: setting it is the
+        #: user's explicit choice, which calibrate() respects
+        self._observer_enabled = False
+        self._observer_auto_off = True  # off by set_mode()/calibrate(), not by the user: calibrate() may use it
+        self.fake_quant_enabled = False
+        #: learnable scale / zero point (:meth:`set_learnable`); weight-rounding hook (:meth:`set_rounding`)
+        self.learnable = False
+        self.rounding: Optional[WeightRounding] = None
+        self.__dict__["_bias_sources"] = None
         #: BF16/FP16 export form (NUMERICS.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
         #: ExtendedDequantizeLinear, dividing by the scale) or "cast" (BF16QDQToCast: Mul by float32(1/scale)
         #: -> Cast -> Cast -> Mul by the scale). prepare() sets it from the configuration.
@@ -122,24 +187,248 @@ class FakeQuantize(nn.Module):
         """True when the quantizer's parameters come from calibration data (integer and scaled float)."""
         return isinstance(self.fmt, IntFormat) or (isinstance(self.fmt, FloatFormat) and self.scaled)
 
+    @property
+    def tracks_value(self) -> bool:
+        """True for a weight's (or value-derived bias's) own quantizer whose qparams come from the tensor's
+        values (integer, scaled BF16/FP16): with the observer on they follow the live parameter."""
+        return (self.role != "activation" and self._bias_sources is None and self.consumer is None
+                and self.needs_calibration)
+
+    @property
+    def observer_enabled(self) -> bool:
+        """Observer (activations) / live-value tracking (weights) switch. Setting it records the user's
+        choice: :func:`qtorch_onnx.calibrate` leaves a quantizer whose observer the user switched off alone."""
+        return self._observer_enabled
+
+    @observer_enabled.setter
+    def observer_enabled(self, enabled: bool) -> None:
+        self._observer_enabled = bool(enabled)
+        self._observer_auto_off = False
+
+    @property
+    def calibratable(self) -> bool:
+        """True when :func:`qtorch_onnx.calibrate` should feed this quantizer's observer: an activation
+        quantizer with an observer that is on, or that only set_mode()/calibrate() switched off."""
+        return (self.role == "activation" and self.observer is not None
+                and (self._observer_enabled or self._observer_auto_off))
+
+    @property
+    def mode(self) -> str:
+        """``"quantize"`` when fake quantization is on, else ``"observe"`` when the observer is, else ``"float"``."""
+        if self.fake_quant_enabled:
+            return "quantize"
+        return "observe" if self.observer_enabled else "float"
+
     def set_mode(self, mode: str) -> "FakeQuantize":
-        """Switch between ``"float"``, ``"observe"`` and ``"quantize"`` (see module docstring)."""
+        """Set both switches from a mode name: ``"float"`` (both off), ``"observe"`` (observer only) or
+        ``"quantize"`` (fake quantization on; activations stop observing, weights keep following their live
+        value unless the scale is learnable).
+
+        Raises:
+            ConfigError: unknown mode.
+        """
         if mode not in MODES:
             raise ConfigError(f"FakeQuantize.set_mode: unknown mode {mode!r}; valid: {MODES}")
-        self.mode = mode
+        self.fake_quant_enabled = mode == "quantize"
+        if mode == "quantize":
+            on = self.tracks_value and not self.learnable
+        else:
+            on = mode == "observe"
+        self._observer_enabled = on
+        self._observer_auto_off = not on
+        return self
+
+    def enable_observer(self, enabled: bool = True) -> "FakeQuantize":
+        """Switch the observer (activations) / live-value tracking (weights) on or off."""
+        self.observer_enabled = bool(enabled)
+        return self
+
+    def enable_fake_quant(self, enabled: bool = True) -> "FakeQuantize":
+        """Switch fake quantization on or off (off: the module passes its input through)."""
+        self.fake_quant_enabled = bool(enabled)
         return self
 
     def set_qparams(self, scale: torch.Tensor, zero_point: Optional[torch.Tensor] = None) -> None:
-        """Set the scale (float32) and zero point (integer), per tensor (0-d) or per channel (1-d)."""
-        scale = torch.as_tensor(scale).detach().to(device=self.scale.device, dtype=torch.float32).clone()
+        """Set the scale (float32) and zero point (integer), per tensor (0-d) or per channel (1-d), in place.
+
+        The existing tensors are updated in place when the shapes agree (optimizers, ``state_dict`` and DDP
+        keep referring to them); a change of shape (per tensor -> per channel) replaces them. A learnable
+        scale (:meth:`set_learnable`) is overwritten with the new value, its log2 / zero-point parameters too.
+        """
+        scale = torch.as_tensor(scale).detach().to(device=self.scale.device, dtype=torch.float32)
         if zero_point is None:
             zero_point = torch.zeros_like(scale, dtype=torch.int64)
-        zero_point = torch.as_tensor(zero_point).detach().to(device=self.scale.device, dtype=torch.int64).clone()
+        zero_point = torch.as_tensor(zero_point).detach().to(device=self.scale.device, dtype=torch.int64)
         if zero_point.shape != scale.shape:
-            zero_point = zero_point.expand_as(scale).clone()
-        self.scale = scale
-        self.zero_point = zero_point
+            zero_point = zero_point.expand_as(scale)
+        with torch.no_grad():
+            if self.scale.shape == scale.shape:
+                self.scale.copy_(scale)
+            elif isinstance(self.scale, nn.Parameter):
+                self.scale = nn.Parameter(scale.clone(), requires_grad=self.scale.requires_grad)
+            else:
+                self.scale = scale.clone()
+            if self.zero_point.shape == zero_point.shape:
+                self.zero_point.copy_(zero_point)
+            else:
+                self.zero_point = zero_point.clone()
+            self._sync_learned_from_state()
         self.calibrated = True
+
+    # ------------------------------------------------------------------ training hooks
+    def set_learnable(self, enabled: bool = True) -> "FakeQuantize":
+        """Make the scale (and an asymmetric zero point) trainable parameters, or fixed buffers again.
+
+        Integer formats only (other formats keep their derived scales: BF16/FP16 rounding needs none, block
+        formats derive shared exponents from the data). Learnable:
+
+        * ``scale``: an ``nn.Parameter`` trained with the LSQ gradient and its ``1/sqrt(N * Q_p)`` gradient
+          scale (Esser et al. 2020, :func:`qtorch_onnx.formats.integer.fake_quantize_lsq`);
+        * power-of-two scales: ``log2_scale`` (parameter); the forward uses ``2**round(log2_scale)`` with a
+          straight-through round, so emulation and export (which writes the rounded power of two) agree;
+        * asymmetric zero points: ``zero_point_float`` (parameter, LSQ+); ``zero_point`` stays the integer
+          buffer export writes, updated from it on every forward.
+
+        INT32 biases (scale = input scale x weight scale) stay derived. Turning a quantizer learnable disables
+        its observer (the scale no longer follows calibration or the live weight).
+
+        Returns ``self``; a no-op for formats without a learnable scale.
+        """
+        if not isinstance(self.fmt, IntFormat) or self._bias_sources is not None:
+            return self
+        if enabled == self.learnable:
+            return self
+        scale = self.scale.detach().clone()
+        del self.scale
+        if enabled:
+            if self.power_of_two:
+                self.register_buffer("scale", scale)
+                self.log2_scale = nn.Parameter(torch.log2(scale))
+            else:
+                self.scale = nn.Parameter(scale)
+            if not self.symmetric:
+                self.zero_point_float = nn.Parameter(self.zero_point.detach().to(torch.float32).clone())
+            self.observer_enabled = False
+        else:
+            self.register_buffer("scale", scale)
+            for name in ("log2_scale", "zero_point_float"):
+                if name in self._parameters:
+                    del self._parameters[name]
+        self.learnable = bool(enabled)
+        return self
+
+    def _sync_learned_from_state(self) -> None:
+        """After ``scale`` / ``zero_point`` were set: carry them into ``log2_scale`` / ``zero_point_float``."""
+        if "log2_scale" in self._parameters:
+            self.log2_scale.data = torch.log2(self.scale.detach()).clone()
+        if "zero_point_float" in self._parameters:
+            self.zero_point_float.data = self.zero_point.detach().to(torch.float32).clone()
+
+    def set_rounding(self, hook: Optional[WeightRounding]) -> "FakeQuantize":
+        """Replace the rounding of an integer weight (``None``: round half to even, the default).
+
+        The hook maps ``v = float32(w / scale)`` (the weight's shape, torch layout of the parameter) to rounded
+        values; export writes ``clamp(hook.hard(v) + zero_point)`` as the quantized initializer.
+
+        Raises:
+            ConfigError: the quantizer is not an integer weight quantizer, or ``hook`` is no WeightRounding.
+        """
+        if hook is not None:
+            if not isinstance(self.fmt, IntFormat) or self.role != "weight":
+                raise ConfigError(f"quantizer on {self.tensor_name!r} ({self.fmt.name} {self.role}): a rounding hook "
+                                  "applies to integer weight quantizers only")
+            if not isinstance(hook, WeightRounding):
+                raise ConfigError(f"quantizer on {self.tensor_name!r}: rounding hook must be a WeightRounding, "
+                                  f"got {type(hook).__name__}")
+        self.rounding = hook
+        return self
+
+    def set_bias_sources(self, input_quantizer: "FakeQuantize", weight_quantizer: "FakeQuantize") -> None:
+        """Derive this INT32 bias quantizer's scale live: ``float32(scale_x * scale_w)`` (NUMERICS.md section 1)
+        from the two quantizers' current scales, on every forward and at export (never a stale copy)."""
+        self.__dict__["_bias_sources"] = (input_quantizer, weight_quantizer)
+        self.observer_enabled = False
+
+    @property
+    def bias_sources(self) -> Optional[Tuple["FakeQuantize", "FakeQuantize"]]:
+        """(input quantizer, weight quantizer) of a derived INT32 bias scale, or None."""
+        return self._bias_sources
+
+    def refresh_qparams(self, value: Optional[torch.Tensor] = None) -> None:
+        """Bring derived state up to date: an INT32 bias scale from its sources; a weight's (or value-derived
+        bias's) qparams from ``value`` (the live tensor in this module's layout) when its observer is on;
+        a learnable power-of-two scale / zero point into the ``scale`` / ``zero_point`` buffers."""
+        with torch.no_grad():
+            if self._bias_sources is not None:
+                sx, sw = self._bias_sources[0].scale, self._bias_sources[1].scale
+                derived = _integer.bias_scale(sx.detach(), sw.detach()).to(self.scale.device)
+                if derived.shape == self.scale.shape:
+                    self.scale.copy_(derived)
+                else:
+                    self.scale = derived.clone()
+                    self.zero_point = torch.zeros_like(derived, dtype=torch.int64)
+                self.calibrated = bool(self._bias_sources[0].calibrated and self._bias_sources[1].calibrated)
+            elif value is not None and self.tracks_value and self.observer_enabled and not self.learnable:
+                self.observe_value(value)
+            if self.learnable:
+                if "log2_scale" in self._parameters:
+                    self.scale.copy_(torch.exp2(torch.round(self.log2_scale.detach())))
+                if "zero_point_float" in self._parameters:
+                    from .formats.integer import _round_zero_point
+
+                    self.zero_point.copy_(_round_zero_point(self.zero_point_float, self.fmt))
+
+    def observe_value(self, value: torch.Tensor) -> None:
+        """qparams from a tensor's own values (weights): min/max per tensor, or per channel along ``axis``
+        (this module's layout). A no-op for formats whose parameters need no range (BF16/FP16, BFP/MX)."""
+        if not self.needs_calibration:
+            return
+        v = value.detach().to(torch.float64)
+        if self.axis is None:
+            rmin, rmax = v.min(), v.max()
+        else:
+            dims = [d for d in range(v.dim()) if d != self.axis % v.dim()]
+            rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
+        self.compute_qparams_from_range(rmin, rmax)
+
+    def _effective_qparams(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero point) the forward uses: the learnable ones (differentiable) when learnable."""
+        if not self.learnable:
+            return self.scale, self.zero_point
+        if "log2_scale" in self._parameters:
+            scale = torch.exp2(_round_ste(self.log2_scale))
+        else:
+            scale = self.scale
+        zp = self.zero_point_float if "zero_point_float" in self._parameters else self.zero_point
+        return scale, zp
+
+    def check_qparams(self) -> None:
+        """Raise ExportError unless every scale is positive and finite (a training step can break that)."""
+        from .errors import ExportError
+
+        s = self.scale.detach()
+        if self.learnable and "log2_scale" in self._parameters:
+            s = torch.exp2(torch.round(self.log2_scale.detach()))
+        if s.numel() and not bool(torch.isfinite(s).all() and (s > 0).all()):
+            bad = s.flatten()[~(torch.isfinite(s.flatten()) & (s.flatten() > 0))][:4].tolist()
+            raise ExportError(f"quantizer on tensor {self.key!r}: scale must be positive and finite, got {bad} "
+                              "(did training push it there? lower the learning rate of the scales or re-calibrate)")
+
+    def quantize_integer(self, x: torch.Tensor) -> torch.Tensor:
+        """The integers an integer quantizer stores for ``x`` (this module's layout; export uses it): the
+        rounding hook's hard result when one is set, round half to even otherwise. int64 tensor."""
+        fmt = self.fmt
+        if not isinstance(fmt, IntFormat):
+            raise ConfigError(f"quantizer on {self.tensor_name!r}: {fmt.name} has no integer representation")
+        with torch.no_grad():
+            x = x.detach().float()
+            per_channel = self.scale.dim() > 0
+            if self.role == "bias" and fmt.bits == 32:
+                return _integer.quantize_bias(x, self.scale.detach()).to(torch.int64)
+            rounding = self.rounding.hard if self.rounding is not None else None
+            return _integer.quantize(x, self.scale.detach(), self.zero_point.detach(), fmt,
+                                     axis=self.axis if per_channel else None, narrow_range=self.narrow_range,
+                                     rounding=rounding)
 
     def compute_qparams_from_range(self, rmin: torch.Tensor, rmax: torch.Tensor) -> None:
         """Set scale and zero point from a calibrated range (NUMERICS.md sections 1 and 3).
@@ -180,18 +469,21 @@ class FakeQuantize(nn.Module):
         fmt = self.fmt
         if isinstance(fmt, IntFormat):
             per_channel = self.scale.dim() > 0
+            axis = self.axis if per_channel else None
             if self.role == "bias" and fmt.bits == 32:
                 # INT32 bias: float64 division (NUMERICS.md section 1), straight-through gradient
                 with torch.no_grad():
                     q = _integer.quantize_bias(x, self.scale)
-                    y = _integer.dequantize(q, self.scale, None, axis=self.axis if per_channel else None)
+                    y = _integer.dequantize(q, self.scale, None, axis=axis)
                     lo, hi = _integer.quant_range(fmt)
                     mask = (q > lo) & (q < hi)  # saturated elements get no gradient
                 return _floating.straight_through(x, y, mask)
-            return _integer.fake_quantize_ste(
-                x, self.scale, self.zero_point, fmt, axis=self.axis if per_channel else None,
-                narrow_range=self.narrow_range,
-            )
+            scale, zp = self._effective_qparams()
+            if self.rounding is not None:
+                return self._fake_quantize_hooked(x, scale, zp, axis)
+            if self.learnable:
+                return _integer.fake_quantize_lsq(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
+            return _integer.fake_quantize_ste(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
         if isinstance(fmt, FloatFormat):
             unit = self.scale.numel() == 1 and float(self.scale) == 1.0
             if self.float_form == "qdq":
@@ -218,6 +510,29 @@ class FakeQuantize(nn.Module):
             return self._block_fake_quantize(x)
         raise ConfigError(f"quantizer on {self.tensor_name!r}: unsupported format {fmt!r}")
 
+    def _fake_quantize_hooked(self, x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, axis) -> torch.Tensor:
+        """Integer fake quantization through the rounding hook, differentiable by autograd (the hook's
+        parameters, the scale when learnable). In eval mode (or ``hook.hard_mode``) the hard rounding gives
+        exactly the bits :meth:`quantize_integer` exports."""
+        fmt = self.fmt
+        hook = self.rounding
+        qmin, qmax = _integer.quant_range(fmt, self.narrow_range)
+        if zp.is_floating_point():
+            from .formats.integer import _round_zero_point
+
+            zp = zp + (_round_zero_point(zp, fmt).to(zp.dtype) - zp).detach()
+        if scale.dim() > 0:
+            shape = [1] * x.dim()
+            shape[axis % x.dim()] = scale.numel()
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        v = x.to(torch.float32) / scale
+        r = hook.hard(v) if (hook.hard_mode or not hook.training) else hook(v)
+        cd = torch.float32 if fmt.bits <= 16 else torch.float64
+        t = r.to(cd) + zp.to(cd)
+        c = t.clamp(qmin, qmax)
+        c = torch.where(torch.isnan(c), torch.full_like(c, qmin), c)
+        return (c - zp.to(cd)).to(torch.float32) * scale
+
     def _block_fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """BFP / BFP-prime / MX quantize-dequantize along ``self.axis`` (NUMERICS.md sections 4-8)."""
         from . import ops as _ops
@@ -230,18 +545,44 @@ class FakeQuantize(nn.Module):
                                            rounding_mode=fmt.rounding_mode, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "quantize":
-            if not x.is_floating_point():
-                return x
-            orig_dtype = x.dtype
-            y = self.quantize_dequantize(x if orig_dtype == torch.float32 else x.float())
-            return y if orig_dtype == torch.float32 else y.to(orig_dtype)
-        if self.mode == "observe" and self.observer is not None and x.is_floating_point():
-            self.observer.update(x.detach())
-        return x
+        """Observe (when enabled) and fake-quantize (when enabled and calibrated) ``x``; any shape and float
+        dtype (float16/bfloat16 are computed in float32 and cast back); integer tensors pass through."""
+        if not x.is_floating_point():
+            return x
+        if self.observer_enabled:
+            if self.role == "activation":
+                if self.observer is not None:
+                    self.observer.update(x.detach())
+            elif self.tracks_value and not self.learnable:
+                self.observe_value(x)
+        if self._bias_sources is not None or self.learnable:
+            self.refresh_qparams()
+        if not self.fake_quant_enabled or not self.calibrated:
+            return x
+        orig_dtype = x.dtype
+        y = self.quantize_dequantize(x if orig_dtype == torch.float32 else x.float())
+        return y if orig_dtype == torch.float32 else y.to(orig_dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # qparams saved per channel load into a module created per tensor (and back): take the saved shape
+        for name in ("scale", "zero_point"):
+            key = prefix + name
+            cur = getattr(self, name)
+            if key in state_dict and state_dict[key].shape != cur.shape:
+                new = torch.empty_like(state_dict[key], device=cur.device, dtype=cur.dtype)
+                if isinstance(cur, nn.Parameter):
+                    setattr(self, name, nn.Parameter(new, requires_grad=cur.requires_grad))
+                else:
+                    setattr(self, name, new)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
-        s = f"{self.fmt.name}, tensor={self.tensor_name!r}, role={self.role}, mode={self.mode}"
+        s = (f"{self.fmt.name}, tensor={self.tensor_name!r}, role={self.role}, "
+             f"fake_quant_enabled={self.fake_quant_enabled}, observer_enabled={self.observer_enabled}")
+        if self.learnable:
+            s += ", learnable"
         if self.consumer is not None:
             s += f", consumer={self.consumer!r}"
         if self.axis is not None:

@@ -362,8 +362,14 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
                                 tuple(np.shape(f.zero_point)) if f.zero_point is not None else tuple(np.shape(f.scale)))
         report.lifted[spec.key] = f"{f.fmt.name} {spec.role} ({', '.join(n.name for n in f.nodes)})"
 
+    from .training import make_trainable
+
+    make_trainable(gm)
     qm = attach_quantizers(gm, plan, cfg, setup)
     qm.set_mode("quantize")
+    for fq in qm.quantizers().values():  # the model's own scales stay: weights do not re-derive theirs
+        if fq.tracks_value:
+            fq.observer_enabled = False
     qm.import_report = report
     qm.stage_times["lift"] = t_lift
     if device is not None:

@@ -74,6 +74,71 @@ class QuantizedModel(nn.Module):
     def forward(self, *inputs: torch.Tensor):
         return self.gm(*inputs)
 
+    # ------------------------------------------------------------------ training view
+    def parameter(self, name: str) -> nn.Parameter:
+        """The trainable ``nn.Parameter`` holding ONNX initializer ``name`` (its float value, before any
+        quantizer; in the torch module's layout, e.g. a Gemm ``B`` with ``transB=0`` is stored transposed).
+
+        Raises:
+            KeyError: no trainable parameter of that name (the message names the closest one).
+        """
+        from .training import initializer_locations, live_value
+
+        for module, attr, _ in initializer_locations(self, name) if name in self.tensor_map else ():
+            value = live_value(module, attr)
+            if isinstance(value, nn.Parameter):
+                return value
+        from .errors import closest
+
+        raise KeyError(f"no trainable parameter for ONNX initializer {name!r}{closest(name, self.onnx_parameters())}")
+
+    def onnx_parameters(self) -> Dict[str, nn.Parameter]:
+        """Every trainable parameter keyed by its ONNX initializer name, graph order."""
+        from .training import initializer_locations, live_value
+
+        out: Dict[str, nn.Parameter] = {}
+        for t in self.onnx_model.graph.initializer:
+            for module, attr, _ in initializer_locations(self, t.name):
+                value = live_value(module, attr)
+                if isinstance(value, nn.Parameter):
+                    out[t.name] = value
+                    break
+        return out
+
+    def layers(self, op_types: Optional[Sequence[str]] = None) -> List[Any]:
+        """The quantized compute layers in graph order, as :class:`~qtorch_onnx.training.QuantLayer` (``name``,
+        ``op_type``, ``module``, ``weight``, ``bias``, ``input_quantizers``, ``weight_quantizer``,
+        ``bias_quantizer``, ``output_quantizer``).
+
+        Args:
+            op_types: restrict to these ONNX op types (default
+                :data:`~qtorch_onnx.training.LAYER_OP_TYPES`: Conv, ConvTranspose, Gemm, MatMul incl. attention
+                MatMuls, normalizations, Gather tables).
+        """
+        from .training import iter_layers
+
+        return list(iter_layers(self, op_types))
+
+    def sync_qparams(self) -> None:
+        """Bring every derived quantity up to date with the live parameters, as the next forward would: weight
+        qparams of quantizers whose observer is on, learned power-of-two scales and zero points, INT32 bias
+        scales (``scale_x * scale_w``). Export calls it first."""
+        from .training import initializer_locations, live_value
+
+        fqs = self.quantizers()
+        for fq in fqs.values():
+            if fq.tracks_value and fq.observer_enabled and not fq.learnable:
+                for module, attr, _ in initializer_locations(self, fq.tensor_name):
+                    value = live_value(module, attr)
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        fq.refresh_qparams(value)
+                        break
+            elif fq.learnable:
+                fq.refresh_qparams()
+        for fq in fqs.values():
+            if fq.bias_sources is not None:
+                fq.refresh_qparams()
+
     def quantizers(self) -> Dict[str, FakeQuantize]:
         """All quantizers, keyed like ``plan.specs``: the ONNX tensor name, or ``"<tensor> -> <node>"`` for a
         consumer-side quantizer (:attr:`FakeQuantize.key`)."""
@@ -147,7 +212,11 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         device: move the module there (``"cuda"``, ``"cpu"``); default CPU.
 
     Returns:
-        A :class:`QuantizedModel` in ``"float"`` mode for activations awaiting calibration, weights ready.
+        A :class:`QuantizedModel` (training mode as onnx2torch leaves it: call ``.eval()`` for inference).
+        Every trainable float initializer is an ``nn.Parameter`` (:meth:`QuantizedModel.parameter`). Every
+        quantizer has ``fake_quant_enabled``; weights are quantized from the start and follow their live
+        values (``observer_enabled``); activation quantizers that need calibration observe and pass their
+        input through until :func:`calibrate` gives them parameters.
 
     Raises:
         ModelError / UnsupportedOpsError: unreadable model or ops that cannot be lifted.
@@ -160,11 +229,11 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     proto = load_model(model)
     gm = lift(proto, fold_batchnorm=True)
     t_lift = time.perf_counter() - t0
+    from .training import make_trainable
+
+    make_trainable(gm)
     plan = plan_quantization(gm.onnx_model, cfg)
     qm = attach_quantizers(gm, plan, cfg)
-    # weights are quantized from the start; activations wait for calibration
-    for fq in qm.quantizers().values():
-        fq.set_mode("quantize" if fq.role != "activation" or not fq.needs_calibration else "float")
     qm.stage_times["lift"] = t_lift
     qm.stage_times["place"] = time.perf_counter() - t0 - t_lift
     if device is not None:
@@ -186,7 +255,8 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
         setup: optional ``setup(fq, spec)`` called on each new quantizer before it is inserted.
 
     Returns:
-        A :class:`QuantizedModel` (quantizers in ``"float"`` mode).
+        A :class:`QuantizedModel`: fake quantization on everywhere (uncalibrated quantizers pass through),
+        observers on for activations, live-value tracking on for weights; INT32 biases derive their scale.
 
     Raises:
         ModelError: a planned tensor has no counterpart in the lifted graph (a lifting bug).
@@ -231,6 +301,9 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
+        fq.set_mode("quantize")
+        if spec.role == "activation" and observer is not None:
+            fq._observer_enabled = True  # observes until calibrate() freezes it
         if setup is not None:
             setup(fq, spec)
         holder.add_module(_safe(key), fq)
@@ -250,7 +323,13 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
                 own_node[tensor] = q
     graph.lint()
     gm.recompile()
-    return QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
+    qm = QuantizedModel(gm, plan, cfg, onnx_model, tm, _data.input_specs(onnx_model))
+    fqs = qm.quantizers()
+    for key, spec in plan.specs.items():
+        if spec.bias_of is not None and key in fqs and all(t in fqs for t in spec.bias_of):
+            fqs[key].set_bias_sources(fqs[spec.bias_of[0]], fqs[spec.bias_of[1]])
+            fqs[key].refresh_qparams()
+    return qm
 
 
 def _insert_consumer_side(gm: torch.fx.GraphModule, tm: Any, spec: QuantSpec, target: str, refs: list,
@@ -283,11 +362,19 @@ def _insert_consumer_side(gm: torch.fx.GraphModule, tm: Any, spec: QuantSpec, ta
 # ---------------------------------------------------------------------------------------------------------- calibrate
 def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: bool = True,
               check_finite: bool = True) -> QuantizedModel:
-    """Calibrate the activation quantizers of ``qm`` on ``data`` and switch every quantizer on.
+    """Calibrate the activation quantizers of ``qm`` on ``data``.
 
     Runs the float model (all quantizers pass-through, observers recording), in batches of ``batch_size``
     samples on ``qm``'s device, one pass (two for histogram methods). The result does not depend on
     ``batch_size``. Then applies the range adjustments and alignments of the plan and the INT32 bias scales.
+    Under ``torch.distributed`` (world size > 1) the observers' statistics are reduced across ranks after
+    each pass (:func:`qtorch_onnx.distributed.sync_observers`), so every rank gets the scales one process
+    would get on the union of the data.
+
+    The user's switches are respected: a quantizer whose observer the user switched off
+    (``fq.observer_enabled = False``, :func:`qtorch_onnx.disable_observer`) keeps its parameters; one whose
+    fake quantization is off stays off. Afterwards the calibrated observers are frozen (off) and every
+    switch is as before.
 
     Args:
         qm: the prepared model.
@@ -295,6 +382,9 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
         batch_size: samples per forward pass (only where the model's batch dimension is dynamic).
         progress: show a tqdm progress bar.
         check_finite: raise DataError when a calibration input holds NaN/Inf.
+
+    Returns:
+        ``qm`` (modified in place).
 
     Raises:
         DataError: empty data, wrong input names/shapes/dtypes, NaN/Inf in inputs or in an activation.
@@ -306,17 +396,24 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
     if check_finite:
         _data.check_finite(samples, qm.input_specs)
     fqs = qm.quantizers()
-    observed = [fq for fq in fqs.values() if fq.observer is not None]
+    observed = [fq for fq in fqs.values() if fq.calibratable]
+    skipped = {k for k, fq in fqs.items() if fq.role == "activation" and fq.observer is not None and not fq.calibratable}
     for fq in observed:
         fq.observer.reset()
     device = qm.device
-    previous = {name: fq.mode for name, fq in fqs.items()}
-    qm.set_mode("float")
+    previous = {name: (fq.fake_quant_enabled, fq._observer_enabled, fq._observer_auto_off) for name, fq in fqs.items()}
+    for fq in fqs.values():  # the float model, observers of the calibrated quantizers on
+        fq.fake_quant_enabled = False
+        fq._observer_enabled = False
     for fq in observed:
-        fq.set_mode("observe")
+        fq._observer_enabled = True
     passes = 2 if any(getattr(fq.observer, "needs_second_pass", False) for fq in observed) else 1
     was_training = qm.training
     qm.eval()
+    try:
+        from .distributed import sync_observers
+    except ImportError:  # pragma: no cover - distributed support absent
+        sync_observers = None
     try:
         with torch.no_grad():
             for p in range(passes):
@@ -328,28 +425,33 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
                 desc = "calibrate" if passes == 1 else f"calibrate pass {p + 1}/{passes}"
                 for batch in tqdm(batch_list, desc=desc, disable=not progress, leave=False):
                     qm(*(t.to(device) for t in batch))
+                if sync_observers is not None:
+                    sync_observers([fq.observer for fq in observed])
     finally:
         qm.train(was_training)
-    for name, fq in fqs.items():
-        fq.set_mode(previous[name])
-    finalize_qparams(qm)
-    qm.set_mode("quantize")
+        for name, fq in fqs.items():
+            fq.fake_quant_enabled, fq._observer_enabled, fq._observer_auto_off = previous[name]
+    finalize_qparams(qm, skip=skipped)
+    for fq in observed:  # statistics frozen; a later calibrate() may use them again
+        fq._observer_enabled = False
+        fq._observer_auto_off = True
     qm.stage_times["calibrate"] = time.perf_counter() - t0
     return qm
 
 
-def finalize_qparams(qm: QuantizedModel) -> None:
+def finalize_qparams(qm: QuantizedModel, skip=()) -> None:
     """Compute activation qparams from observers, then apply range_from, fixed ranges, overrides, sharing and
-    INT32 bias scales (NUMERICS.md sections 1-2)."""
+    INT32 bias scales (NUMERICS.md sections 1-2). Quantizers in ``skip`` (keys) keep their parameters."""
     fqs = qm.quantizers()
     specs = qm.plan.specs
+    skip = set(skip)
     ranges: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
     for name, fq in fqs.items():
-        if fq.observer is not None and fq.role == "activation":
+        if fq.observer is not None and fq.role == "activation" and name not in skip:
             ranges[name] = fq.observer.compute_range()
     for name, fq in fqs.items():
         spec = specs[name]
-        if fq.role != "activation" or not fq.needs_calibration:
+        if fq.role != "activation" or not fq.needs_calibration or name in skip:
             continue
         if spec.fixed_range is not None:
             fq.compute_qparams_from_range(torch.tensor(spec.fixed_range[0], dtype=torch.float64),
@@ -368,10 +470,11 @@ def finalize_qparams(qm: QuantizedModel) -> None:
         spec = specs[name]
         if spec.bias_of is not None:
             x, w = spec.bias_of
-            sx, sw = fqs[x].scale.double(), fqs[w].scale.double()
-            fq.set_qparams((sx * sw).to(torch.float32))
+            if fq.bias_sources is None:
+                fq.set_bias_sources(fqs[x], fqs[w])
+            fq.refresh_qparams()
     for name, fq in fqs.items():
-        if fq.needs_calibration and not fq.calibrated:
+        if fq.needs_calibration and not fq.calibrated and name not in skip:
             raise DataError(f"quantizer on tensor {name!r} was never calibrated (the calibration data did not reach it)")
 
 

@@ -126,13 +126,14 @@ def _compute_dtype(fmt: IntFormat) -> torch.dtype:
 
 
 def _quantize_core(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor, fmt: IntFormat, narrow_range: bool,
-                   ort_quirk: bool):
+                   ort_quirk: bool, rounding=None):
     """Shared core: returns (c, t) in the compute dtype: c the saturated integer values (NaN -> qmin),
-    t the unsaturated ``round(x/s) + zp`` (for the STE mask)."""
+    t the unsaturated ``round(x/s) + zp`` (for the STE mask). ``rounding`` replaces ``torch.round`` (round
+    half to even) when given: a function of ``v = float32(x / s)`` returning integer-valued floats."""
     qmin, qmax = quant_range(fmt, narrow_range)
     cd = _compute_dtype(fmt)
     v = x.to(torch.float32) / s  # float32 division (golden README item 1)
-    r = torch.round(v)  # round half to even
+    r = torch.round(v) if rounding is None else rounding(v)  # round half to even by default
     t = r.to(cd) + zp.to(cd)
     c = t.clamp(qmin, qmax)
     nan = torch.isnan(c)
@@ -149,7 +150,7 @@ def _quantize_core(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor, fmt: IntF
 
 def quantize(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike], fmt: IntFormat,
              axis: Optional[int] = None, block_size: Optional[int] = None, *, narrow_range: bool = False,
-             ort_blocked_compat: bool = False) -> torch.Tensor:
+             ort_blocked_compat: bool = False, rounding=None) -> torch.Tensor:
     """Quantize: ``q = saturate(round_half_even(x / scale) + zero_point)`` (NUMERICS.md section 1).
 
     Args:
@@ -163,6 +164,9 @@ def quantize(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike
         ort_blocked_compat: replicate ONNX Runtime's blocked non-last-axis NaN/Inf/overflow quirk
             (golden README item 2): elements with NaN, +-Inf or ``|x/scale| >= 2^31`` give ``qmin`` when the
             zero point is >= 0 and ``qmax`` otherwise. Off by default (the project's rule is the plain one).
+        rounding: replaces round-half-to-even: a function mapping ``v = float32(x / scale)`` to integer-valued
+            float32 values of the same shape (the weight-rounding hook's hard result, e.g. AdaRound's
+            ``floor(v) + (alpha >= 0)``). None: ``torch.round``.
 
     Returns:
         int64 tensor of ``x``'s shape holding the quantized values (int64 holds every type incl. UINT32).
@@ -173,7 +177,7 @@ def quantize(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike
     s, zp = _prepare(x, scale, zero_point, axis, block_size, "quantize")
     quirk = bool(ort_blocked_compat and block_size and axis is not None
                  and _norm_axis(axis, x.dim(), "quantize") != x.dim() - 1)
-    c, _ = _quantize_core(x, s, zp, fmt, narrow_range, quirk)
+    c, _ = _quantize_core(x, s, zp, fmt, narrow_range, quirk, rounding)
     return c.to(torch.int64)
 
 
@@ -251,11 +255,19 @@ def fake_quantize_ste(x: torch.Tensor, scale: TensorLike, zero_point: Optional[T
     return _FakeQuantizeSTE.apply(x, scale, zero_point, fmt, axis, block_size, narrow_range)
 
 
+def _round_zero_point(zero_point: torch.Tensor, fmt: IntFormat) -> torch.Tensor:
+    """A learnable (float) zero point as the integer ONNX stores: round half to even, clamped to the type."""
+    lo, hi = quant_range(fmt)
+    return torch.round(zero_point.detach().to(torch.float64)).clamp(lo, hi).to(torch.int64)
+
+
 class _FakeQuantizeLSQ(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, zero_point, fmt, axis, block_size, narrow_range, grad_factor):
+        learn_zp = isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
         with torch.no_grad():
-            s, zp = _prepare(x, scale, zero_point, axis, block_size, "fake_quantize_lsq")
+            zp_in = _round_zero_point(zero_point, fmt) if learn_zp else zero_point
+            s, zp = _prepare(x, scale, zp_in, axis, block_size, "fake_quantize_lsq")
             c, t = _quantize_core(x, s, zp, fmt, narrow_range, False)
             qi = c - zp.to(c.dtype)  # integer value relative to the zero point
             y = qi.to(torch.float32) * s
@@ -267,20 +279,20 @@ class _FakeQuantizeLSQ(torch.autograd.Function):
             # where saturated; non-finite elements contribute 0.
             ds = torch.where(c == t, qi.to(torch.float32) - v, qi.to(torch.float32))
             ds = torch.where(finite, ds, torch.zeros_like(ds))
-        ctx.save_for_backward(inside, ds)
-        ctx.meta = (x.dtype, scale.shape, axis, block_size, grad_factor, x.shape)
+            # LSQ+ (Bhalgat et al. 2020): with a straight-through round of the zero point, dy/dzp = 0 inside the
+            # range and -s where saturated (the clamp holds q constant while - zp * s moves)
+            dz = torch.where((c != t) & finite, -s.expand_as(ds), torch.zeros_like(ds)) if learn_zp else None
+        ctx.save_for_backward(inside, ds, dz)
+        ctx.meta = (x.dtype, scale.shape, axis, block_size, grad_factor, x.shape,
+                    zero_point.shape if learn_zp else None)
         return y
 
     @staticmethod
-    def backward(ctx, gy):
-        inside, ds = ctx.saved_tensors
-        in_dtype, s_shape, axis, block_size, grad_factor, x_shape = ctx.meta
-        gx = torch.where(inside, gy, torch.zeros_like(gy)).to(in_dtype)
-        g = (gy.to(torch.float32) * ds)
+    def _reduce(g, s_shape, axis, block_size, x_shape):
         nd = len(x_shape)
         if len(s_shape) == 0 or (len(s_shape) == 1 and s_shape[0] == 1 and not block_size and axis is None):
-            gs = g.sum().reshape(s_shape)
-        elif block_size:
+            return g.sum().reshape(s_shape)
+        if block_size:
             ax = axis % nd
             n = x_shape[ax]
             nb = -(-n // block_size)
@@ -291,13 +303,22 @@ class _FakeQuantizeLSQ(torch.autograd.Function):
                 g = torch.cat([g, g.new_zeros(padshape)], dim=ax)
             shp = list(g.shape)
             shp[ax:ax + 1] = [nb, block_size]
-            gs = g.reshape(shp).sum(dim=ax + 1)
-        else:
-            ax = axis % nd
-            dims = [d for d in range(nd) if d != ax]
-            gs = g.sum(dim=dims) if dims else g
-        gs = gs * grad_factor
-        return gx, gs.reshape(s_shape), None, None, None, None, None, None
+            return g.reshape(shp).sum(dim=ax + 1).reshape(s_shape)
+        ax = axis % nd
+        dims = [d for d in range(nd) if d != ax]
+        return (g.sum(dim=dims) if dims else g).reshape(s_shape)
+
+    @staticmethod
+    def backward(ctx, gy):
+        inside, ds, dz = ctx.saved_tensors
+        in_dtype, s_shape, axis, block_size, grad_factor, x_shape, z_shape = ctx.meta
+        gx = torch.where(inside, gy, torch.zeros_like(gy)).to(in_dtype)
+        gz = None
+        if z_shape is not None:
+            gz = _FakeQuantizeLSQ._reduce(gy.to(torch.float32) * dz, z_shape, axis, block_size, x_shape) * grad_factor
+        g = (gy.to(torch.float32) * ds)
+        return gx, _FakeQuantizeLSQ._reduce(g, s_shape, axis, block_size, x_shape) * grad_factor, gz, \
+            None, None, None, None, None
 
 
 def fake_quantize_lsq(x: torch.Tensor, scale: torch.Tensor, zero_point: Optional[TensorLike], fmt: IntFormat,
@@ -309,10 +330,16 @@ def fake_quantize_lsq(x: torch.Tensor, scale: torch.Tensor, zero_point: Optional
     Forward equals :func:`fake_quantize`. Backward: ``dx`` as the STE (:func:`fake_quantize_ste`);
     ``dscale = sum(dy * (round(x/s) - x/s))`` over unsaturated elements plus ``dy * (q - zp)`` over saturated
     ones, multiplied by ``grad_factor`` (default ``1 / sqrt(N_per_scale * qmax)``, the paper's ``g``),
-    summed per scale element (per tensor, per channel or per block). The zero point is not learned.
+    summed per scale element (per tensor, per channel or per block).
+
+    A floating-point ``zero_point`` (LSQ+, Bhalgat et al. 2020, "LSQ+: Improving low-bit quantization through
+    learnable offsets", arXiv 2004.09576) is learned too: the forward uses ``round_half_even(zero_point)``
+    clamped to the type's range (the integer ONNX stores), the backward passes ``dzp = -s * dy`` summed over
+    saturated elements (0 inside the range), times ``grad_factor``. An integer ``zero_point`` is fixed.
 
     Args:
         scale: float32 tensor (usually an ``nn.Parameter``), layout as :func:`quantize`.
+        zero_point: integer tensor (fixed), float tensor (learned), or None (0).
     """
     if not isinstance(scale, torch.Tensor):
         raise ConfigError("fake_quantize_lsq: scale must be a tensor (the learnable parameter)")

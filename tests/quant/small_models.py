@@ -54,3 +54,56 @@ def cnn(opset: int = 17, seed: int = 0, batchnorm: bool = True) -> onnx.ModelPro
 def calib_data(n: int = 8, seed: int = 1, batch: int = 1):
     rng = np.random.default_rng(seed)
     return [{"input": rng.normal(0, 1, (batch, 3, 16, 16)).astype(np.float32)} for _ in range(n)]
+
+
+def token_block(opset: int = 17, seed: int = 0) -> onnx.ModelProto:
+    """ids [N,6] int64 -> Gather(table) -> LayerNormalization -> self-attention-like MatMuls (x @ x^T ->
+    Softmax -> @ x) -> MatMul(W1) + b1 -> PRelu -> MatMul(W2) -> Mul(gamma) -> Add(residual) -> Div(const)
+    -> Sub(const) -> ReduceMean over tokens: [N,16]. Every trainable initializer kind of the training
+    contract in one graph (Gather table, norm scale/bias, MatMul weights, element-wise constants, PRelu slope)."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("table", rng.normal(0, 1.0, (20, 16))),
+        _init("ln_scale", rng.uniform(0.5, 1.5, 16)), _init("ln_bias", rng.normal(0, 0.1, 16)),
+        _init("w1", rng.normal(0, 0.3, (16, 32))), _init("b1", rng.normal(0, 0.1, 32)),
+        _init("slope", rng.uniform(0.05, 0.3, 32)),
+        _init("w2", rng.normal(0, 0.2, (32, 16))), _init("gamma", rng.uniform(0.5, 1.5, 16)),
+        _init("div_c", np.full(16, 2.0)), _init("sub_c", rng.normal(0, 0.1, 16)),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "mean_axes"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed", axis=0),
+        helper.make_node("LayerNormalization", ["emb", "ln_scale", "ln_bias"], ["ln"], name="ln", axis=-1,
+                         epsilon=1e-5),
+        helper.make_node("Transpose", ["ln"], ["ln_t"], name="transpose", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["ln", "ln_t"], ["scores"], name="attn_scores"),
+        helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "ln"], ["ctx"], name="attn_context"),
+        helper.make_node("MatMul", ["ctx", "w1"], ["h1"], name="fc1"),
+        helper.make_node("Add", ["h1", "b1"], ["h1b"], name="fc1_bias"),
+        helper.make_node("PRelu", ["h1b", "slope"], ["act"], name="prelu"),
+        helper.make_node("MatMul", ["act", "w2"], ["h2"], name="fc2"),
+        helper.make_node("Mul", ["h2", "gamma"], ["h2g"], name="layer_scale"),
+        helper.make_node("Add", ["h2g", "ln"], ["res"], name="residual"),
+        helper.make_node("Div", ["res", "div_c"], ["res_d"], name="div"),
+        helper.make_node("Sub", ["res_d", "sub_c"], ["res_s"], name="sub"),
+    ]
+    if opset >= 18:
+        nodes.append(helper.make_node("ReduceMean", ["res_s", "mean_axes"], ["out"], name="mean", keepdims=0))
+        inits_used = inits
+    else:
+        nodes.append(helper.make_node("ReduceMean", ["res_s"], ["out"], name="mean", axes=[1], keepdims=0))
+        inits_used = inits[:-1]
+    graph = helper.make_graph(
+        nodes, "token_block",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 6])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 16])], inits_used)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def token_data(n: int = 8, seed: int = 1, batch: int = 2):
+    rng = np.random.default_rng(seed)
+    return [{"ids": rng.integers(0, 20, (batch, 6)).astype(np.int64)} for _ in range(n)]
