@@ -425,8 +425,8 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
                 desc = "calibrate" if passes == 1 else f"calibrate pass {p + 1}/{passes}"
                 for batch in tqdm(batch_list, desc=desc, disable=not progress, leave=False):
                     qm(*(t.to(device) for t in batch))
-                if sync_observers is not None:
-                    sync_observers([fq.observer for fq in observed])
+                if sync_observers is not None:  # a no-op unless torch.distributed runs with world size > 1
+                    sync_observers({k: fq.observer for k, fq in fqs.items() if fq.calibratable and fq._observer_enabled})
     finally:
         qm.train(was_training)
         for name, fq in fqs.items():
