@@ -522,6 +522,13 @@ class ModelQuantizer:
             calibrate(qm, data, progress=progress)
         else:
             qm.set_mode("quantize")
+        if self.resolved.fast_finetune is not None:
+            if data is None:
+                raise DataError("fast finetune (include_fast_ft / FastFinetune) needs data: give "
+                                "calibration_data_reader or calibration_data_path")
+            from .algorithms import fast_finetune
+
+            fast_finetune(qm, data, self.resolved.fast_finetune, progress=progress)
         self.quantized_model = qm
         proto = export(qm, model_output)
         return None if model_output is not None else proto

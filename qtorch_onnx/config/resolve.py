@@ -60,7 +60,7 @@ from .internal import AutoMixprecisionSettings, FastFinetuneSettings, ResolvedCo
 # --------------------------------------------------------------------------------------------------------
 IMPLEMENTED: dict[str, bool] = {
     "block_formats": True,
-    "fast_finetune": False,
+    "fast_finetune": True,
     "auto_mixprecision": False,
     "layerwise_mixprecision": True,
     "cle": False,
@@ -137,9 +137,9 @@ MX_ELEMENT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp
 
 FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchSize", "DataSize", "FixedSeed",
                       "EarlyStop", "OptimDevice", "InferDevice", "UpdateBias", "RegParam", "BetaRange",
-                      "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate")
-FAST_FINETUNE_NOT_SUPPORTED = frozenset({"NumBatches", "LRAdjust", "OutputQDQ", "LogPeriod", "MemOptLevel",
-                                         "OutputIndex", "EarlyStopPatience"})
+                      "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
+                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex")
+FAST_FINETUNE_NOT_SUPPORTED = frozenset({"EarlyStopPatience", "RefModelPath"})
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
                 "L2Target", "Top1AccTarget", "EvaluateFunction", "DualQuantNodes")
@@ -688,7 +688,23 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         target_op_type=_names(opts["TargetOpType"], f"{where}['TargetOpType']", allow_empty=False)
         if "TargetOpType" in opts else d.target_op_type,
         selective_update=_bool(opts.get("SelectiveUpdate", d.selective_update), f"{where}['SelectiveUpdate']"),
+        num_batches=None if opts.get("NumBatches") is None else _int(opts["NumBatches"], f"{where}['NumBatches']", 1),
+        lr_adjust=_lr_adjust(opts.get("LRAdjust"), f"{where}['LRAdjust']"),
+        output_qdq=_bool(opts.get("OutputQDQ", d.output_qdq), f"{where}['OutputQDQ']"),
+        log_period=None if opts.get("LogPeriod") is None else _int(opts["LogPeriod"], f"{where}['LogPeriod']", 1),
+        mem_opt_level=_int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2),
+        output_index=None if opts.get("OutputIndex") is None else _int(opts["OutputIndex"], f"{where}['OutputIndex']", 0),
     )
+
+
+def _lr_adjust(value: Any, where: str):
+    """``LRAdjust``: ``(interval, factor)``, the learning rate multiplied by ``factor`` every ``interval``
+    iterations; None or ``()`` for a constant rate."""
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(f"{where} must be a pair (interval, factor), e.g. (200, 0.5), got {value!r}")
+    return (_int(value[0], f"{where}[0]", 1), _float(value[1], f"{where}[1]", 0.0, lo_open=True))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -3,13 +3,15 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def gated_block_formats(monkeypatch):
-    """These tests exercise the feature gate with the block formats and layer-wise mixed precision as the
-    examples of gated features; the pipeline itself runs both now (tests/quant/test_block_quantizers.py,
-    tests/quant/test_layerwise.py), so their flags are switched off here."""
+    """These tests exercise the feature gate with the block formats, layer-wise mixed precision and fast
+    finetune as the examples of gated features; the pipeline itself runs all three now
+    (tests/quant/test_block_quantizers.py, tests/quant/test_layerwise.py, tests/algorithms), so their flags are
+    switched off here."""
     from qtorch_onnx.config import resolve
 
     monkeypatch.setitem(resolve.IMPLEMENTED, "block_formats", False)
     monkeypatch.setitem(resolve.IMPLEMENTED, "layerwise_mixprecision", False)
+    monkeypatch.setitem(resolve.IMPLEMENTED, "fast_finetune", False)
 
 
 @pytest.fixture

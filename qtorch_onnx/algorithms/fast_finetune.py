@@ -1,0 +1,435 @@
+"""Fast finetuning: AdaRound and AdaQuant by layer-wise reconstruction, on the prepared torch model.
+
+``fast_finetune(qm, data, settings) -> qm`` (ARCHITECTURE.md: algorithms take a quantized module and data and
+return it changed; they never touch ONNX). For every target layer in graph order it minimises the distance
+between the layer's output in the quantized model (inputs from the quantized model, earlier layers already
+finetuned) and in the float model:
+
+* **AdaRound** (Nagel et al. 2020, arXiv 2004.10568): integer weights only. The nearest rounding is replaced by
+  a learned up/down choice (:class:`~qtorch_onnx.algorithms.adaround.AdaRoundRounding`, the quantizer's
+  rounding hook): rectified sigmoid soft rounding (zeta 1.1, gamma -0.1), regulariser
+  ``RegParam * sum(1 - |2h - 1|^beta)`` off during the warm start, ``beta`` annealed over ``BetaRange``, hard
+  rounding at the end. Scales stay fixed; export writes the hard rounding's integers.
+* **AdaQuant** (Hubara et al. 2021, arXiv 2006.10518): the float weight (and the bias with ``UpdateBias``)
+  optimised through the quantizer's straight-through estimator; any weight format (integer, FP16/BF16,
+  BFP16, MX4/6/9, MXINT8, MXFP).
+
+The reconstruction loss is the squared error summed over the channel dimension and averaged over the rest
+(the layer output ``[N, C, ...]``). ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
+random fraction of the elements (QDrop, Wei et al. 2022). ``SelectiveUpdate`` keeps a layer's update only if
+it lowers the layer's loss on the whole data. A loss that turns NaN stops that layer and restores it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .. import data as _data
+from ..config.internal import FastFinetuneSettings
+from ..errors import ConfigError, DataError
+from ..formats.spec import IntFormat
+from .adaround import AdaRoundRounding, beta_schedule
+from .reconstruction import StagedExecutor
+
+__all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
+
+_NATIVE_KEYS = {f for f in FastFinetuneSettings.__dataclass_fields__}
+
+
+@dataclass
+class LayerRecord:
+    """What fast finetuning did to one layer (losses: the reconstruction loss on the whole data)."""
+
+    name: str
+    op_type: str
+    weight_format: str
+    loss_before: float
+    loss_after: float
+    iterations: int
+    seconds: float
+    kept: bool = True
+    note: str = ""
+
+
+@dataclass
+class FinetuneReport:
+    """Per-layer records, settings and stage times of one :func:`fast_finetune` run (``qm.finetune_report``)."""
+
+    algorithm: str
+    settings: Dict[str, Any]
+    layers: List[LayerRecord] = field(default_factory=list)
+    stage_times: Dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+    samples: int = 0
+    peak_cached_bytes: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["total_iterations"] = sum(r.iterations for r in self.layers)
+        return d
+
+    def save(self, folder: str) -> Dict[str, str]:
+        """Write ``fast_finetune.json`` and the plot ``fast_finetune.png`` (loss before/after per layer)."""
+        os.makedirs(folder, exist_ok=True)
+        paths = {"json": os.path.join(folder, "fast_finetune.json"), "png": os.path.join(folder, "fast_finetune.png")}
+        with open(paths["json"], "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        n = len(self.layers)
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * n + 2), 4.0))
+        xs = list(range(n))
+        ax.bar([x - 0.2 for x in xs], [max(r.loss_before, 1e-30) for r in self.layers], 0.4, label="before")
+        ax.bar([x + 0.2 for x in xs], [max(r.loss_after, 1e-30) for r in self.layers], 0.4, label="after")
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([r.name for r in self.layers], rotation=90, fontsize=6)
+        ax.set_ylabel("reconstruction loss")
+        ax.set_title(f"{self.algorithm}: per-layer reconstruction loss ({self.device})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(paths["png"], dpi=110)
+        plt.close(fig)
+        return paths
+
+
+def _settings(qm, settings, algorithm, overrides) -> FastFinetuneSettings:
+    if settings is None:
+        settings = getattr(qm.config, "fast_finetune", None) or FastFinetuneSettings()
+    elif isinstance(settings, dict):
+        from ..config.resolve import _parse_fast_ft
+
+        settings = _parse_fast_ft(settings, "fast_finetune settings", qm.config.weight, {})
+    elif not isinstance(settings, FastFinetuneSettings):
+        raise ConfigError(f"fast_finetune: settings must be a FastFinetuneSettings, a Quark FastFinetune dict or None, "
+                          f"got {type(settings).__name__}")
+    if algorithm is not None:
+        if algorithm not in ("adaround", "adaquant"):
+            raise ConfigError(f"fast_finetune: algorithm {algorithm!r}; valid: 'adaround', 'adaquant'")
+        if algorithm != settings.optim_algorithm and "learning_rate" not in overrides:
+            overrides = dict(overrides, learning_rate=0.1 if algorithm == "adaround" else 1e-5)
+        overrides = dict(overrides, optim_algorithm=algorithm)
+    bad = set(overrides) - _NATIVE_KEYS
+    if bad:
+        from ..errors import closest
+
+        k = sorted(bad)[0]
+        raise ConfigError(f"fast_finetune: unknown setting {k!r}{closest(k, _NATIVE_KEYS)}")
+    s = replace(settings, **overrides)
+    _validate(s)
+    return s
+
+
+def _validate(s: FastFinetuneSettings) -> None:
+    if not isinstance(s.num_iterations, int) or s.num_iterations < 1:
+        raise ConfigError(f"FastFinetune NumIterations must be an integer >= 1, got {s.num_iterations!r}")
+    if not (isinstance(s.learning_rate, (int, float)) and math.isfinite(s.learning_rate) and s.learning_rate > 0):
+        raise ConfigError(f"FastFinetune LearningRate must be a finite number > 0, got {s.learning_rate!r}")
+    if not isinstance(s.batch_size, int) or s.batch_size < 1:
+        raise ConfigError(f"FastFinetune BatchSize must be an integer >= 1, got {s.batch_size!r}")
+    if s.data_size is not None and (not isinstance(s.data_size, int) or s.data_size < 1):
+        raise ConfigError(f"FastFinetune DataSize must be an integer >= 1 or None, got {s.data_size!r}")
+    if not 0.0 <= s.drop_ratio <= 1.0:
+        raise ConfigError(f"FastFinetune DropRatio must lie in [0, 1], got {s.drop_ratio!r}")
+    if s.mem_opt_level not in (0, 1, 2):
+        raise ConfigError(f"FastFinetune MemOptLevel must be 0 (device), 1 (host memory) or 2 (disk), "
+                          f"got {s.mem_opt_level!r}")
+
+
+def _device(spec: Optional[str], fallback: torch.device, key: str) -> torch.device:
+    if spec is None:
+        return fallback
+    first = spec.split(",")[0].strip()
+    if first.startswith("hip"):
+        first = "cuda" + first[3:]
+    try:
+        dev = torch.device(first)
+    except RuntimeError as exc:
+        raise ConfigError(f"FastFinetune {key} {spec!r} is not a device ({exc}); valid: 'cpu', 'cuda', 'cuda:N'") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"FastFinetune {key} {spec!r}: no CUDA device is available here; use 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"FastFinetune {key} {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def _rec_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Squared error summed over the channel dimension (dim 1), averaged over the others."""
+    d = (pred.float() - target.float()).pow(2)
+    return d.sum(1).mean() if d.dim() > 1 else d.mean()
+
+
+def _loss_on_all(fn, ld, chunk: int = 64, output_q=None) -> float:
+    n = ld.target.shape[0]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, n, chunk):
+            inputs = {a: x[i:i + chunk] for a, x in ld.q_inputs.items()}
+            pred = fn(inputs)
+            if output_q is not None:
+                pred = output_q(pred)
+            m = min(chunk, n - i)
+            total += float(_rec_loss(pred, ld.target[i:i + chunk])) * m
+            count += m
+    return total / max(1, count)
+
+
+def _targets(qm, s: FastFinetuneSettings):
+    layers = qm.layers(s.target_op_type)
+    out = []
+    for layer in layers:
+        fq = layer.weight_quantizer
+        if layer.weight is None or fq is None or not fq.fake_quant_enabled or layer.module is None:
+            continue
+        if s.optim_algorithm == "adaround" and not isinstance(fq.fmt, IntFormat):
+            raise ConfigError(
+                f"FastFinetune OptimAlgorithm 'adaround': layer {layer.name!r} ({layer.op_type}) has a {fq.fmt.name} "
+                "weight; AdaRound learns the rounding of integer weights only: use OptimAlgorithm 'adaquant'")
+        out.append(layer)
+    if not out:
+        ops = sorted({l.op_type for l in qm.layers() if l.weight is not None})
+        raise ConfigError(f"FastFinetune TargetOpType {list(s.target_op_type)}: no layer with a quantized weight "
+                          f"matches; the model's weighted layers are {ops}")
+    return out
+
+
+def _fx_node(qm, layer):
+    info = qm.tensor_map.graph.nodes[layer.name]
+    for n in qm.gm.graph.nodes:
+        if n.name == info.fx_node:
+            return n
+    raise ConfigError(f"fast finetune: layer {layer.name!r} has no fx node (lifting bug)")
+
+
+def _output_quantizer(qm, node):
+    users = list(node.users)
+    if len(users) == 1 and users[0].op == "call_module" and str(users[0].target).startswith("quantizers."):
+        return qm.gm.get_submodule(str(users[0].target))
+    return None
+
+
+def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[str] = None, progress: bool = True,
+                  report_dir: Optional[str] = None, **overrides):
+    """Finetune ``qm``'s weights layer by layer (AdaRound or AdaQuant) on ``data``; returns ``qm`` (in place).
+
+    Args:
+        qm: a prepared and calibrated :class:`~qtorch_onnx.quantizer.QuantizedModel`.
+        data: calibration-style data (any form :func:`qtorch_onnx.calibrate` accepts).
+        settings: a :class:`~qtorch_onnx.config.internal.FastFinetuneSettings`, a Quark ``FastFinetune`` dict
+            (validated like the config), or None for ``qm.config.fast_finetune`` (else the defaults).
+        algorithm: ``"adaround"`` / ``"adaquant"``, overriding the settings' (and its default learning rate).
+        progress: tqdm bars (layers; iterations of the current layer with its loss).
+        report_dir: write ``fast_finetune.json`` and ``fast_finetune.png`` there.
+        **overrides: FastFinetuneSettings fields, e.g. ``num_iterations=200, batch_size=8``.
+
+    Returns:
+        ``qm``, with ``qm.finetune_report`` (:class:`FinetuneReport`).
+
+    Raises:
+        ConfigError: invalid settings (names the key), AdaRound on a non-integer weight, no matching layer,
+            an unavailable device.
+        DataError: empty data, or fewer samples than BatchSize / DataSize ask for.
+    """
+    t0 = time.perf_counter()
+    s = _settings(qm, settings, algorithm, overrides)
+    samples = _data.to_samples(data, qm.input_specs, what="fast finetune data")
+    n_wanted = s.data_size if s.data_size is not None else (s.num_batches * s.batch_size if s.num_batches else None)
+    if n_wanted is not None:
+        if len(samples) < n_wanted:
+            key = "DataSize" if s.data_size is not None else "NumBatches"
+            raise DataError(f"FastFinetune {key} asks for {n_wanted} samples but the data holds {len(samples)}")
+        samples = samples[:n_wanted]
+    n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
+    if n_samples < s.batch_size:
+        raise DataError(f"FastFinetune BatchSize {s.batch_size} exceeds the {n_samples} samples of the data; "
+                        "give more data or a smaller BatchSize")
+    device = _device(s.optim_device if s.optim_device != "cpu" or qm.device.type == "cpu" else None, qm.device,
+                     "OptimDevice")
+    if "," in (s.optim_device or ""):
+        warnings.warn(f"FastFinetune OptimDevice {s.optim_device!r}: layers are reconstructed one after another on "
+                      f"{device}; the other devices are not used", stacklevel=2)
+    targets = _targets(qm, s)
+    original_device = qm.device
+    qm.to(device)
+    report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
+                                                                    for k, v in asdict(s).items()},
+                            device=str(device), samples=n_samples)
+    # float reference: a frozen copy with fake quantization off
+    qf = copy.deepcopy(qm)
+    for m in qf.modules():
+        if hasattr(m, "fake_quant_enabled"):
+            m.fake_quant_enabled = False
+    requires = {p: p.requires_grad for p in qm.parameters()}
+    for p in requires:
+        p.requires_grad_(False)
+    was_training = qm.training
+    qm.eval()
+    qf.eval()
+    chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
+    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level)
+    report.stage_times["prepare"] = time.perf_counter() - t0
+    from tqdm.auto import tqdm
+
+    nodes = {layer.name: _fx_node(qm, layer) for layer in targets}
+    order = {n.name: i for i, n in enumerate(qm.gm.graph.nodes)}
+    targets.sort(key=lambda l: order[nodes[l.name].name])
+    bar = tqdm(targets, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
+    try:
+        for index, layer in enumerate(bar):
+            node = nodes[layer.name]
+            t_layer = time.perf_counter()
+            ex.advance_to(node)
+            ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
+            rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress)
+            rec.seconds = time.perf_counter() - t_layer
+            report.layers.append(rec)
+            bar.set_postfix_str(f"{layer.name}: {rec.loss_before:.3g} -> {rec.loss_after:.3g}")
+            ex.finish_layer(node)
+            del ld
+    finally:
+        bar.close()
+        report.peak_cached_bytes = ex.peak_bytes
+        ex.close()
+        for p, r in requires.items():
+            p.requires_grad_(r)
+        qm.train(was_training)
+        qm.to(original_device)
+    report.stage_times["finetune"] = time.perf_counter() - t0 - report.stage_times["prepare"]
+    qm.stage_times["fast_finetune"] = time.perf_counter() - t0
+    qm.finetune_report = report
+    if report_dir is not None:
+        report.save(report_dir)
+    return qm
+
+
+def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool) -> LayerRecord:
+    from tqdm.auto import tqdm
+
+    fq = layer.weight_quantizer
+    fn = ex.layer_fn(node)
+    out_q = _output_quantizer(qm, node) if s.output_qdq else None
+    loss_before = _loss_on_all(fn, ld, output_q=out_q)
+    rec = LayerRecord(layer.name, layer.op_type, fq.fmt.name, loss_before, loss_before, 0, 0.0)
+    if not math.isfinite(loss_before):
+        rec.kept, rec.note = False, "loss before finetuning is not finite; layer left as it was"
+        return rec
+    # state to restore
+    saved_observer = (fq._observer_enabled, fq._observer_auto_off)
+    saved_rounding = fq.rounding
+    saved_w = layer.weight.detach().clone()
+    saved_b = layer.bias.detach().clone() if layer.bias is not None else None
+    if s.optim_algorithm == "adaround":
+        fq._observer_enabled = False  # AdaRound keeps the scale; the rounding is what it learns
+        w = layer.weight.detach().float()
+        scale = fq.scale.detach()
+        if scale.dim() > 0:
+            shape = [1] * w.dim()
+            shape[fq.axis % w.dim()] = scale.numel()
+            scale = scale.reshape(shape)
+        hook = AdaRoundRounding(w / scale).to(w.device)
+        fq.set_rounding(hook)
+        hook.train()
+        params = [hook.alpha]
+    else:
+        params = [layer.weight] + ([layer.bias] if s.update_bias and layer.bias is not None else [])
+        hook = None
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=s.learning_rate)
+    sched = None
+    if s.lr_adjust is not None:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(s.lr_adjust[0]), gamma=float(s.lr_adjust[1]))
+    n = ld.target.shape[0]
+    gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
+    bs = min(s.batch_size, n)
+    warm = int(math.ceil(s.warm_start * s.num_iterations))
+    window = max(10, s.num_iterations // 20)
+    best, stale, acc = math.inf, 0, 0.0
+    diverged = False
+    it_bar = tqdm(range(s.num_iterations), desc=layer.name, leave=False, disable=not progress or s.num_iterations < 50)
+    it = 0
+    for it in it_bar:
+        idx = torch.randint(0, n, (bs,), generator=gen).to(ex.device)
+        inputs = {}
+        for a, x in ld.q_inputs.items():
+            xb = x.index_select(0, idx)
+            if s.drop_ratio < 1.0:
+                keep = torch.rand(xb.shape, generator=gen).to(xb.device) < s.drop_ratio
+                xb = torch.where(keep, xb, ld.f_inputs[a].index_select(0, idx))
+            inputs[a] = xb
+        pred = fn(inputs)
+        if out_q is not None:
+            pred = out_q(pred)
+        loss = _rec_loss(pred, ld.target.index_select(0, idx))
+        rec_value = loss.detach()
+        if hook is not None and it >= warm:
+            beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
+            loss = loss + s.reg_param * hook.regularizer(beta)
+        if not torch.isfinite(loss):
+            diverged = True
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        acc += float(rec_value)
+        if s.log_period and (it + 1) % s.log_period == 0:
+            it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
+        if (it + 1) % window == 0:
+            mean = acc / window
+            acc = 0.0
+            if mean < best * (1 - 1e-3):
+                best, stale = mean, 0
+            else:
+                stale += 1
+            settled = hook is None or (it >= warm and bool(((hook.h() - 0.5).abs() > 0.49).all()))
+            if s.early_stop and stale >= 3 and settled:
+                break
+    it_bar.close()
+    rec.iterations = it + 1
+    for p in params:
+        p.requires_grad_(False)
+    if hook is not None:
+        hook.hard_mode = True
+        hook.eval()
+    loss_after = _loss_on_all(fn, ld, output_q=out_q) if not diverged else math.nan
+    rec.loss_after = loss_after
+    restore = diverged or not math.isfinite(loss_after) or (s.selective_update and loss_after >= loss_before)
+    if restore:
+        with torch.no_grad():
+            layer.weight.copy_(saved_w)
+            if saved_b is not None:
+                layer.bias.copy_(saved_b)
+        fq.set_rounding(saved_rounding)
+        fq._observer_enabled, fq._observer_auto_off = saved_observer
+        rec.kept = False
+        rec.loss_after = loss_before
+        rec.note = ("the loss diverged (NaN/Inf): layer restored" if diverged or not math.isfinite(loss_after)
+                    else f"SelectiveUpdate: loss {loss_after:.4g} not below {loss_before:.4g}; update discarded")
+        if diverged or not math.isfinite(loss_after):
+            warnings.warn(f"fast finetune: layer {layer.name!r}: {rec.note}", stacklevel=3)
+    return rec
+
+
+def adaround(qm, data: Any, settings: Any = None, **kw):
+    """:func:`fast_finetune` with ``algorithm="adaround"``."""
+    return fast_finetune(qm, data, settings, algorithm="adaround", **kw)
+
+
+def adaquant(qm, data: Any, settings: Any = None, **kw):
+    """:func:`fast_finetune` with ``algorithm="adaquant"``."""
+    return fast_finetune(qm, data, settings, algorithm="adaquant", **kw)

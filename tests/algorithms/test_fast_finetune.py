@@ -1,0 +1,170 @@
+"""Fast finetune (issue 12): AdaRound / AdaQuant on small models, every format family, export bit-exact,
+determinism, the Quark vocabulary, bad settings."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+import qtorch_onnx as qo
+from qtorch_onnx.algorithms import AdaRoundRounding, fast_finetune
+from qtorch_onnx.data import to_samples
+from qtorch_onnx.runtime import check_parity
+
+from ..quant.small_models import calib_data, cnn, token_block, token_data
+
+
+def _prepared(config, model=None, data=None):
+    qm = qo.prepare(model if model is not None else cnn(), config)
+    qo.calibrate(qm, data if data is not None else calib_data(16), progress=False)
+    return qm
+
+
+def _bit_exact(qm, data):
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rep = check_parity(qm, exported, qmap, to_samples(data, qm.input_specs), opt_levels=("ORT_DISABLE_ALL",))
+    bad = [n for n in rep.nodes if not n.exact]
+    assert not bad, bad[:5]
+    return exported
+
+
+@pytest.mark.parametrize("config", ["A8W8", "A16W8", "XINT8", "INT8_CNN_DEFAULT"])
+def test_adaround_lowers_every_layer_loss_and_exports_its_rounding(config):
+    qm = _prepared(config)
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=300, batch_size=4, progress=False)
+    rep = qm.finetune_report
+    assert [r.name for r in rep.layers] == ["conv1", "conv2", "conv3", "fc"]
+    for r in rep.layers:
+        assert r.kept and r.loss_after < r.loss_before, r
+    hooks = {k: fq.rounding for k, fq in qm.quantizers().items() if fq.rounding is not None}
+    assert set(hooks) == {"w1", "w2", "w3", "fc_w"} and all(isinstance(h, AdaRoundRounding) for h in hooks.values())
+    exported = _bit_exact(qm, calib_data(3, seed=9))
+    # the exported integers are the hard rounding, and it is not the nearest rounding everywhere
+    fq = qm.quantizers()["w2"]
+    q = numpy_helper.to_array(next(t for t in exported.graph.initializer if t.name == "w2_quantized"))
+    np.testing.assert_array_equal(q.astype(np.int64), fq.quantize_integer(qm.parameter("w2")).numpy())
+    with torch.no_grad():
+        nearest = qo.formats.integer.quantize(qm.parameter("w2"), fq.scale, fq.zero_point, fq.fmt,
+                                              axis=fq.axis if fq.scale.dim() else None, narrow_range=fq.narrow_range)
+    assert (nearest.numpy() != q).any()
+
+
+@pytest.mark.parametrize("config", ["A8W8", "BF16", "BFP16", "MX9", "MXINT8", "MXFP4E2M1", "MX9_INT8"])
+def test_adaquant_every_format_family(config):
+    qm = _prepared(config)
+    fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=150, batch_size=4, learning_rate=1e-4,
+                  selective_update=True, update_bias=True, progress=False)
+    rep = qm.finetune_report
+    assert rep.layers and any(r.kept and r.loss_after < r.loss_before for r in rep.layers), rep.layers
+    for r in rep.layers:
+        assert r.loss_after <= r.loss_before
+    _bit_exact(qm, calib_data(3, seed=9))
+
+
+def test_transformer_matmuls_and_drop_ratio():
+    qm = _prepared("A8W8", token_block(), token_data(16))
+    fast_finetune(qm, token_data(16), algorithm="adaround", num_iterations=200, batch_size=8, drop_ratio=0.5,
+                  progress=False)
+    names = [r.name for r in qm.finetune_report.layers]
+    assert names == ["ln", "fc1", "fc2"] or names == ["fc1", "fc2"]
+    assert all(r.loss_after <= r.loss_before * 1.05 for r in qm.finetune_report.layers)
+    _bit_exact(qm, token_data(3, seed=5))
+
+
+def test_same_seed_same_bytes_and_memory_levels_agree(tmp_path):
+    outs = []
+    for level in (0, 1, 2, 0):
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=60, batch_size=4, mem_opt_level=level,
+                      progress=False)
+        outs.append(qo.export(qm, None).SerializeToString())
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    qm = _prepared("A8W8")
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=60, batch_size=4, fixed_seed=7,
+                  progress=False)
+    assert qo.export(qm, None).SerializeToString() != outs[0]
+
+
+def test_report_json_and_plot(tmp_path):
+    qm = _prepared("A8W8")
+    fast_finetune(qm, calib_data(8), algorithm="adaquant", num_iterations=20, progress=False, report_dir=tmp_path)
+    import json
+
+    rep = json.loads((tmp_path / "fast_finetune.json").read_text())
+    assert rep["algorithm"] == "adaquant" and len(rep["layers"]) == 4 and rep["total_iterations"] == 80
+    assert (tmp_path / "fast_finetune.png").stat().st_size > 1000
+    assert qm.stage_times["fast_finetune"] > 0
+
+
+def test_quark_vocabulary_named_config_and_seed_snippet(tmp_path):
+    cfg = qo.get_default_config("A8W8_ADAROUND")
+    cfg.extra_options["FastFinetune"].update(NumIterations=30, BatchSize=2)
+    out = tmp_path / "m.onnx"
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
+    q.quantize_model(cnn(), str(out), calib_data(8))
+    assert out.exists() and q.quantized_model.finetune_report.algorithm == "adaround"
+    # the seed's AdaQuant snippet (FastFinetune in extra_options, no include_fast_ft)
+    qc = qo.QuantizationConfig(calibrate_method=qo.CalibrationMethod.MinMax, quant_format=qo.ExtendedQuantFormat.QDQ,
+                               activation_type=qo.QuantType.QInt8, weight_type=qo.QuantType.QInt8,
+                               extra_options={"ActivationSymmetric": True, "AlignSlice": False, "FoldRelu": True,
+                                              "AlignConcat": True, "AlignEltwiseQuantType": True,
+                                              "FastFinetune": {"NumIterations": 20, "LearningRate": 1e-6,
+                                                               "OptimAlgorithm": "adaquant", "LogPeriod": 5,
+                                                               "LRAdjust": (10, 0.5), "OutputQDQ": True,
+                                                               "MemOptLevel": 1, "NumBatches": 2, "BatchSize": 2}})
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=qc))
+    q.quantize_model(cnn(), str(tmp_path / "n.onnx"), calib_data(8))
+    rep = q.quantized_model.finetune_report
+    assert rep.samples == 4 and all(r.iterations <= 20 for r in rep.layers)
+
+
+def test_bad_settings_are_named():
+    qm = _prepared("A8W8")
+    data = calib_data(4)
+    cases = [
+        (dict(num_iterations=0), qo.ConfigError, "NumIterations"),
+        (dict(learning_rate=float("nan")), qo.ConfigError, "LearningRate"),
+        (dict(optim_device="cuda:7"), qo.ConfigError, "OptimDevice"),
+        (dict(target_op_type=("Foo",)), qo.ConfigError, "TargetOpType"),
+        (dict(batch_size=5), qo.DataError, "BatchSize"),
+        (dict(data_size=9), qo.DataError, "DataSize"),
+        (dict(num_iterationz=3), qo.ConfigError, "num_iterations"),
+    ]
+    for kw, err, word in cases:
+        with pytest.raises(err, match=word):
+            fast_finetune(qm, data, progress=False, **kw)
+    with pytest.raises(qo.DataError):
+        fast_finetune(qm, [], progress=False)
+    with pytest.raises(qo.ConfigError, match="adaquant"):
+        fast_finetune(_prepared("BF16"), data, algorithm="adaround", progress=False)
+    with pytest.raises(qo.ConfigError, match="NumIterations"):
+        fast_finetune(qm, data, {"NumIterations": -1}, progress=False)
+
+
+def test_divergence_restores_the_layer():
+    qm = _prepared("BF16")
+    before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
+    with pytest.warns(UserWarning, match="diverged"):
+        fast_finetune(qm, calib_data(8), algorithm="adaquant", num_iterations=30, learning_rate=1e30, progress=False)
+    rep = qm.finetune_report
+    assert any(not r.kept and "diverged" in r.note for r in rep.layers)
+    for r in rep.layers:
+        if not r.kept:
+            w = {"conv1": "w1", "conv2": "w2", "conv3": "w3", "fc": "fc_w"}[r.name]
+            assert torch.equal(qm.parameter(w), before[w])
+
+
+def test_user_data_and_settings_not_mutated():
+    from qtorch_onnx.config.internal import FastFinetuneSettings
+
+    s = FastFinetuneSettings(num_iterations=10)
+    data = calib_data(4)
+    ref = [d["input"].copy() for d in data]
+    fast_finetune(_prepared("A8W8"), data, s, progress=False)
+    assert s.num_iterations == 10
+    for d, r in zip(data, ref):
+        assert np.array_equal(d["input"], r)
