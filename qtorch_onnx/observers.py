@@ -19,12 +19,20 @@ Protocol (what the calibrator does)::
 
 Ranges are returned as float64 CPU tensors (0-d, or 1-D along ``axis`` for per-channel MinMax).
 NaN or Inf in a batch raises :class:`~qtorch_onnx.errors.DataError` naming the tensor.
+
+Distributed calibration (:mod:`qtorch_onnx.distributed`): :meth:`Observer.all_reduce_` (or
+``sync_observers`` for many at once) merges the statistics of every rank in place, after each pass and before
+:meth:`Observer.start_second_pass`, so that every rank then holds what one process would have on the union of
+the shards. Every merge is exact (min / max, int64 sums, gathered per-sample ranges), so scales and zero points
+are bit-identical to one process (the MinMax moving average: to one process seeing rank 0's samples, then rank
+1's, ...).
 """
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Dict, Optional, Tuple, Type
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -46,6 +54,48 @@ __all__ = [
 
 def _f64(v) -> torch.Tensor:
     return torch.as_tensor(v, dtype=torch.float64).cpu()
+
+
+def _dist_world_size() -> int:
+    """World size of the default process group, 1 when torch.distributed is absent or not initialized."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+@dataclass
+class MergeParts:
+    """What one observer contributes to a distributed merge (:mod:`qtorch_onnx.distributed` reduces it).
+
+    Attributes:
+        mins: tensors reduced elementwise with MIN (any float dtype; sent as float64).
+        maxs: tensors reduced elementwise with MAX.
+        sums: int64 tensors reduced with SUM (exact, order independent).
+        same: tensors that must be equal on every rank (reduced with MIN and MAX, then compared), keyed by a
+            description used in the error message (e.g. ``"histogram bin edges"``).
+        gather: one float64 1-D tensor of a size every rank agrees on (from the layout), all-gathered.
+    """
+
+    mins: List[torch.Tensor] = field(default_factory=list)
+    maxs: List[torch.Tensor] = field(default_factory=list)
+    sums: List[torch.Tensor] = field(default_factory=list)
+    same: Dict[str, torch.Tensor] = field(default_factory=dict)
+    gather: Optional[torch.Tensor] = None
+
+
+def _ema_fold(rmin: Optional[torch.Tensor], rmax: Optional[torch.Tensor], lo: torch.Tensor, hi: torch.Tensor,
+              c: float) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Apply ``r <- r + c * (r_sample - r)`` for each row of ``lo`` / ``hi`` (float64 CPU, ``[n]`` or ``[n, C]``)
+    in order, the first row initializing ``r`` when it is None. The one implementation of the MinMax moving
+    average, used both when observing and when replaying merged ranks (so both give the same bits)."""
+    for k in range(lo.shape[0]):  # fixed sequential order: independent of the batching
+        if rmin is None:
+            rmin, rmax = lo[k].clone(), hi[k].clone()
+        else:
+            rmin = rmin + c * (lo[k] - rmin)
+            rmax = rmax + c * (hi[k] - rmax)
+    return rmin, rmax
 
 
 class Observer:
@@ -72,6 +122,7 @@ class Observer:
         self._max: Optional[torch.Tensor] = None
         self._count = 0
         self._count2 = 0
+        self._merged: Dict[str, Any] = {}  # values of the summed statistics at the last distributed merge
 
     def update(self, x: torch.Tensor) -> None:
         """Observe one batch (any shape; float16/bfloat16 are widened to float32). Never modifies ``x``.
@@ -129,6 +180,137 @@ class Observer:
         rmin, rmax = self.compute_range()
         return qint.qparams_from_range(rmin, rmax, fmt, symmetric, reduce_range)
 
+    def all_reduce_(self, group: Any = None) -> "Observer":
+        """Merge this observer's statistics across the ranks of ``group`` in place (a collective: every rank
+        must call it, on observers of the same class, name and options, at the same point of calibration).
+
+        Afterwards every rank holds exactly the statistics one process would have had on the union of the
+        ranks' data: min / max are reduced with MIN / MAX, histogram counts and MinMSE error sums (int64) with
+        SUM, and the MinMax moving average replays every rank's per-sample ranges in rank order. Call it after
+        each pass, before :meth:`start_second_pass` (histogram edges and MinMSE candidates are then derived
+        from the global pass-1 range); calling it again merges only what was observed since the last merge.
+        A no-op unless torch.distributed is initialized with a world size > 1. Many observers at once:
+        :func:`qtorch_onnx.distributed.sync_observers` (a few collectives in all).
+
+        Args:
+            group: a ``torch.distributed`` process group (default: the world).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            DataError: the ranks disagree on the state (different passes, channel counts, histogram edges:
+                e.g. no merge after pass 1), or a moving average observed samples before torch.distributed
+                was initialized.
+            ModelError: the ranks' observers differ (class, name or options).
+        """
+        from .distributed import sync_observers
+
+        sync_observers([self], group=group)
+        return self
+
+    # -- distributed merge hooks (qtorch_onnx.distributed drives them; every rank sees the same metas) ------
+    #: int64 tensor attributes summed across ranks (only what was added since the last merge is sent), with
+    #: their description for messages.
+    _MERGE_SUMS: Dict[str, str] = {}
+
+    def _merge_config(self) -> tuple:
+        """Options that must be equal on every rank (part of the identity the ranks compare)."""
+        return ()
+
+    def _merge_identity(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self._merge_config()!r})"
+
+    def _merge_same(self) -> Dict[str, Optional[torch.Tensor]]:
+        """Derived tensors that must agree on every rank (None when absent), keyed by description."""
+        return {}
+
+    def _merge_meta(self) -> List[int]:
+        """Small int64 description of the local state; its length depends only on the class and options."""
+        nchan = -1 if self._min is None else (0 if self._min.dim() == 0 else int(self._min.shape[0]))
+        meta = [self._pass, nchan]
+        for a in self._MERGE_SUMS:
+            t = getattr(self, a)
+            meta.append(-1 if t is None else t.numel())
+        for t in self._merge_same().values():
+            meta.append(-1 if t is None else t.numel())
+        return meta
+
+    def _merge_layout(self, metas: Sequence[Sequence[int]]) -> Dict[str, Any]:
+        """Check that the ranks' states can be merged (``metas[r]``: rank r's :meth:`_merge_meta`) and return
+        the layout of the merge. Depends only on ``metas``, so every rank takes the same decision.
+
+        Raises:
+            DataError: different passes, channel counts or histogram / candidate sizes on different ranks.
+        """
+        who = f"observer {type(self).__name__} for tensor {self._label()}"
+        passes = [int(m[0]) for m in metas]
+        if len(set(passes)) > 1:
+            raise DataError(f"{who}: the ranks are in different calibration passes ({_per_rank(passes)}); call "
+                            f"sync_observers at the same point on every rank")
+        chans = [int(m[1]) for m in metas]
+        known = sorted({c for c in chans if c >= 0})
+        if len(known) > 1:
+            raise DataError(f"{who}: the ranks observed different channel counts ({_per_rank(chans)}; 0 = per "
+                            f"tensor, -1 = no data)")
+        names = list(self._MERGE_SUMS.values()) + list(self._merge_same())
+        for j, what in enumerate(names):
+            col = [int(m[2 + j]) for m in metas]
+            if len(set(col)) > 1:
+                raise DataError(f"{who}: {what} has different sizes on the ranks ({_per_rank(col)}; -1 = none); "
+                                f"merge the observers after pass 1, before start_second_pass(), and feed every "
+                                f"rank the same data in both passes")
+        return {"nchan": known[0] if known else -1, "ranks": len(metas)}
+
+    def _merge_minmax(self) -> bool:
+        """Whether the merge reduces ``_min`` / ``_max`` with MIN / MAX (False: the subclass merges them)."""
+        return True
+
+    def _minmax_parts(self, layout: Dict[str, Any], parts: MergeParts) -> None:
+        nchan = layout["nchan"]
+        if nchan < 0 or not self._merge_minmax():
+            return
+        shape = () if nchan == 0 else (nchan,)
+        lo = self._min if self._min is not None else torch.full(shape, math.inf, dtype=torch.float64)
+        hi = self._max if self._max is not None else torch.full(shape, -math.inf, dtype=torch.float64)
+        parts.mins.append(lo)
+        parts.maxs.append(hi)
+
+    def _merge_pack(self, layout: Dict[str, Any]) -> MergeParts:
+        """This rank's contribution (sizes fixed by ``layout``, hence equal on every rank)."""
+        parts = MergeParts()
+        self._minmax_parts(layout, parts)
+        counts = [self._count - self._merged.get("_count", 0), self._count2 - self._merged.get("_count2", 0)]
+        parts.sums.append(torch.tensor(counts, dtype=torch.int64))
+        for a in self._MERGE_SUMS:
+            t = getattr(self, a)
+            if t is not None:
+                parts.sums.append(t - _padded_base(self._merged.get(a), t))
+        parts.same = {k: v for k, v in self._merge_same().items() if v is not None}
+        return parts
+
+    def _merge_unpack(self, layout: Dict[str, Any], mins: List[torch.Tensor], maxs: List[torch.Tensor],
+                      sums: List[torch.Tensor], gathered: Optional[List[torch.Tensor]]) -> None:
+        """Install the merged statistics (``mins`` / ``maxs`` / ``sums`` in :meth:`_merge_pack`'s order,
+        reduced over the ranks; ``gathered``: every rank's ``gather`` tensor, in rank order)."""
+        if layout["nchan"] >= 0 and self._merge_minmax():
+            dev = self._min.device if self._min is not None else mins[0].device
+            self._min = mins[0].to(dev, torch.float64)
+            self._max = maxs[0].to(dev, torch.float64)
+        counts = sums[0].cpu()
+        self._count = self._merged.get("_count", 0) + int(counts[0])
+        self._count2 = self._merged.get("_count2", 0) + int(counts[1])
+        self._merged["_count"], self._merged["_count2"] = self._count, self._count2
+        k = 1
+        for a in self._MERGE_SUMS:
+            t = getattr(self, a)
+            if t is None:
+                continue
+            new = _padded_base(self._merged.get(a), t) + sums[k].to(t.device, torch.int64)
+            setattr(self, a, new)
+            self._merged[a] = new.clone()
+            k += 1
+
     # -- internals ------------------------------------------------------------------------------------------
     def _label(self) -> str:
         return repr(self.name) if self.name else "<unnamed>"
@@ -159,6 +341,21 @@ class Observer:
         return self._min.cpu(), self._max.cpu()
 
 
+def _per_rank(values: Sequence[Any]) -> str:
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def _padded_base(base: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The value of a summed statistic at the last merge, zero-padded at the end to ``like``'s size (a
+    Percentile histogram widened since then), on ``like``'s device; zeros when there was no merge."""
+    if base is None:
+        return torch.zeros_like(like)
+    base = base.to(like.device)
+    if base.numel() < like.numel():
+        base = torch.cat([base, base.new_zeros(like.numel() - base.numel())])
+    return base
+
+
 # ------------------------------------------------------------------------------------------------------ MinMax
 class MinMaxObserver(Observer):
     """Global min / max (NUMERICS.md section 2 "MinMax"; ONNX Runtime MinMaxCalibrater).
@@ -170,6 +367,13 @@ class MinMaxObserver(Observer):
             size; per sample it does not).
         averaging_constant: ``c`` (default 0.01).
         name: tensor name for messages.
+
+    Distributed (:meth:`~Observer.all_reduce_`): min / max are reduced with MIN / MAX. The moving average
+    depends on the order of the samples, so while torch.distributed is initialized with a world size > 1 the
+    observer also records each sample's (min, max) (2 float64 per sample, per channel), and the merge
+    all-gathers those records and replays them from the last merged state, rank 0's samples first, then rank
+    1's, ...: bit-identical to one process fed the concatenation of the shards in rank order (shard the data
+    in contiguous blocks, rank 0 first, to match a single process on the original order).
 
     Raises:
         ConfigError: ``averaging_constant`` outside (0, 1]; moving average with ``axis`` 0 (dim 0 is the
@@ -184,6 +388,13 @@ class MinMaxObserver(Observer):
         self.moving_average = bool(moving_average)
         self.averaging_constant = float(averaging_constant)
         super().__init__(name)
+
+    def reset(self) -> None:
+        super().reset()
+        self._ma_log: List[Tuple[torch.Tensor, torch.Tensor]] = []  # per-sample (min, max) since the last merge
+        self._ma_rows = 0  # samples observed since the last merge (recorded or not)
+        self._ma_logged = 0  # of which recorded in _ma_log
+        self._ma_base: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)  # state at the merge
 
     def _reduce_per_channel(self, x: torch.Tensor, keep_dim0: bool):
         nd = x.dim()
@@ -221,15 +432,71 @@ class MinMaxObserver(Observer):
             lo, hi = self._reduce_per_channel(xs, True)
         lo = lo.to(torch.float64).cpu()
         hi = hi.to(torch.float64).cpu()
-        c = self.averaging_constant
-        rmin, rmax = self._min, self._max
-        for k in range(lo.shape[0]):  # fixed sequential order: independent of the batching
-            if rmin is None:
-                rmin, rmax = lo[k].clone(), hi[k].clone()
-            else:
-                rmin = rmin + c * (lo[k] - rmin)
-                rmax = rmax + c * (hi[k] - rmax)
+        self._ma_rows += lo.shape[0]
+        if _dist_world_size() > 1:  # a merge will replay every rank's samples in rank order
+            self._ma_log.append((lo, hi))
+            self._ma_logged += lo.shape[0]
+        self._min, self._max = _ema_fold(self._min, self._max, lo, hi, self.averaging_constant)
+
+    # -- distributed merge --------------------------------------------------------------------------------
+    def _merge_config(self) -> tuple:
+        return (self.axis, self.moving_average, self.averaging_constant if self.moving_average else None)
+
+    def _merge_minmax(self) -> bool:
+        return not self.moving_average  # the moving average is replayed from the gathered per-sample ranges
+
+    def _merge_meta(self) -> List[int]:
+        meta = super()._merge_meta()
+        if self.moving_average:
+            meta += [self._ma_rows, self._ma_logged]
+        return meta
+
+    def _merge_layout(self, metas: Sequence[Sequence[int]]) -> Dict[str, Any]:
+        layout = super()._merge_layout(metas)
+        if self.moving_average:
+            rows = [int(m[-2]) for m in metas]
+            logged = [int(m[-1]) for m in metas]
+            if rows != logged:
+                raise DataError(f"MinMax moving average for tensor {self._label()}: the merge replays every "
+                                f"sample in rank order, but some were observed while torch.distributed was not "
+                                f"initialized with world size > 1 (samples: {_per_rank(rows)}; recorded: "
+                                f"{_per_rank(logged)}); initialize the process group before calibrating")
+            layout["rows"] = rows
+            layout["width"] = max(1, layout["nchan"])
+        return layout
+
+    def _merge_pack(self, layout: Dict[str, Any]) -> MergeParts:
+        parts = super()._merge_pack(layout)
+        if not self.moving_average:
+            return parts
+        width, n = layout["width"], max(layout["rows"])
+        flat = torch.zeros(n, 2, width, dtype=torch.float64)
+        if self._ma_log:
+            lo = torch.cat([a for a, _ in self._ma_log]).reshape(-1, width)
+            hi = torch.cat([b for _, b in self._ma_log]).reshape(-1, width)
+            flat[:lo.shape[0], 0] = lo
+            flat[:hi.shape[0], 1] = hi
+        parts.gather = flat.reshape(-1)
+        return parts
+
+    def _merge_unpack(self, layout, mins, maxs, sums, gathered) -> None:
+        super()._merge_unpack(layout, mins, maxs, sums, gathered)
+        if not self.moving_average:
+            return
+        nchan = layout["nchan"]
+        width, n = layout["width"], max(layout["rows"])
+        rmin, rmax = self._ma_base
+        for r, rows in enumerate(layout["rows"]):
+            if rows == 0:
+                continue
+            block = gathered[r].reshape(n, 2, width)[:rows].cpu()
+            lo, hi = block[:, 0], block[:, 1]
+            if nchan == 0:  # per tensor: one value per sample, as _observe folds them
+                lo, hi = lo[:, 0], hi[:, 0]
+            rmin, rmax = _ema_fold(rmin, rmax, lo.contiguous(), hi.contiguous(), self.averaging_constant)
         self._min, self._max = rmin, rmax
+        self._ma_base = (rmin, rmax)
+        self._ma_log, self._ma_rows, self._ma_logged = [], 0, 0
 
 
 # -------------------------------------------------------------------------------------------- histogram helpers
@@ -286,6 +553,15 @@ class PercentileObserver(Observer):
         super().reset()
         self._edges = None
         self._counts = None
+
+    # distributed merge: counts summed (int64); edges derived from the merged pass-1 range must agree
+    _MERGE_SUMS = {"_counts": "the histogram"}
+
+    def _merge_config(self) -> tuple:
+        return (self.percentile, self.num_bins)
+
+    def _merge_same(self) -> Dict[str, Optional[torch.Tensor]]:
+        return {"histogram bin edges": self._edges}
 
     def _begin_second_pass(self) -> None:
         amax = float(torch.maximum(self._min.abs(), self._max.abs()))
@@ -348,6 +624,15 @@ class _SignedHistogramObserver(Observer):
         super().reset()
         self._edges = None
         self._counts = None
+
+    # distributed merge: counts summed (int64); edges derived from the merged pass-1 range must agree
+    _MERGE_SUMS = {"_counts": "the histogram"}
+
+    def _merge_config(self) -> tuple:
+        return (self.num_bins, getattr(self, "num_quantized_bins", None))
+
+    def _merge_same(self) -> Dict[str, Optional[torch.Tensor]]:
+        return {"histogram bin edges": self._edges}
 
     def _begin_second_pass(self) -> None:
         t = float(torch.maximum(self._min.abs(), self._max.abs()).to(torch.float32))
@@ -554,6 +839,18 @@ class PowerOfTwoObserver(Observer):
         super().reset()
         self._sse = None
         self._cands = None
+
+    # distributed merge: int64 error sums summed; candidates / quantum (from the merged pass-1 range) must agree
+    _MERGE_SUMS = {"_sse": "the MinMSE error sums"}
+
+    def _merge_config(self) -> tuple:
+        return (self.method, self.fmt.name, self.symmetric, self.pos_range)
+
+    def _merge_same(self) -> Dict[str, Optional[torch.Tensor]]:
+        if self._cands is None:
+            return {"MinMSE candidates": None}
+        return {"MinMSE candidates": torch.tensor([self._quantum, float(self._zp), *map(float, self._cands)],
+                                                  dtype=torch.float64)}
 
     def _p0(self):
         return qint.pow2_scale_nonoverflow(self._min.cpu(), self._max.cpu(), self.fmt, self.symmetric)

@@ -302,3 +302,36 @@ def test_input_not_mutated_and_reset():
     o.reset()
     with pytest.raises(DataError):
         o.compute_range()
+
+
+def _all_observers():
+    return [MinMaxObserver(name="mm"), MinMaxObserver(axis=1, name="mmc"), MinMaxObserver(moving_average=True),
+            PercentileObserver(), EntropyObserver(), DistributionObserver(),
+            PowerOfTwoObserver("NonOverflow"), PowerOfTwoObserver("MinMSE")]
+
+
+def test_all_reduce_is_a_noop_without_a_process_group():
+    # qtorch_onnx.distributed merges only when torch.distributed is initialized with world size > 1
+    # (2-process merges: tests/quant/test_distributed.py)
+    x = _data(n=6)
+    for obs in _all_observers():
+        _feed(obs, x, 4)
+        before = obs.compute_range()
+        assert obs.all_reduce_() is obs
+        after = obs.compute_range()
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), type(obs).__name__
+    ma = MinMaxObserver(moving_average=True)
+    ma.update(torch.from_numpy(x))
+    assert ma._ma_log == [] and ma._ma_rows == 6  # per-sample ranges are only recorded for a merge
+
+
+def test_merge_layout_rejects_disagreeing_ranks():
+    obs = MinMaxObserver(axis=1, name="conv_out")
+    with pytest.raises(DataError, match="different calibration passes.*rank 1: 2"):
+        obs._merge_layout([[1, 3], [2, 3]])
+    with pytest.raises(DataError, match="'conv_out'.*different channel counts"):
+        obs._merge_layout([[1, 3], [1, 4]])
+    assert obs._merge_layout([[1, -1], [1, 4]])["nchan"] == 4  # a rank without data takes the others' shape
+    p = PercentileObserver(name="t")
+    with pytest.raises(DataError, match="the histogram has different sizes"):
+        p._merge_layout([[2, 0, 2048, 2049], [2, 0, -1, -1]])
