@@ -365,8 +365,9 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
     """Calibrate the activation quantizers of ``qm`` on ``data``.
 
     Runs the float model (all quantizers pass-through, observers recording), in batches of ``batch_size``
-    samples on ``qm``'s device, one pass (two for histogram methods). The result does not depend on
-    ``batch_size``. Then applies the range adjustments and alignments of the plan and the INT32 bias scales.
+    samples on ``qm``'s device, one pass (two for histogram methods). The observers' statistics do not depend
+    on ``batch_size``; the float ops before a quantizer may (CPU convolution kernels round a batch of one
+    differently from larger batches), which can move a scale by an ulp. Then applies the range adjustments and alignments of the plan and the INT32 bias scales.
     Under ``torch.distributed`` (world size > 1) the observers' statistics are reduced across ranks after
     each pass (:func:`qtorch_onnx.distributed.sync_observers`), so every rank gets the scales one process
     would get on the union of the data.
@@ -410,10 +411,10 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
     passes = 2 if any(getattr(fq.observer, "needs_second_pass", False) for fq in observed) else 1
     was_training = qm.training
     qm.eval()
-    try:
-        from .distributed import sync_observers
-    except ImportError:  # pragma: no cover - distributed support absent
-        sync_observers = None
+    from .distributed import check_same_graph, is_distributed, sync_observers
+
+    if is_distributed():
+        check_same_graph(qm)  # every rank must calibrate the same graph and quantizers
     try:
         with torch.no_grad():
             for p in range(passes):
