@@ -1,4 +1,7 @@
-"""Command line: ``qtorch-onnx quantize`` and ``qtorch-onnx evaluate``."""
+"""Command line: ``qtorch-onnx quantize`` and ``qtorch-onnx evaluate``.
+
+numpy, torch and the library are imported inside the commands: ``qtorch-onnx --help`` loads none of them.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,10 +9,9 @@ import sys
 import time
 from typing import List, Optional
 
-import numpy as np
-
 
 def _quantize(args: argparse.Namespace) -> int:
+    import numpy as np
     import torch
 
     from . import data as _data

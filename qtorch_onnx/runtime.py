@@ -1,16 +1,26 @@
-"""ONNX Runtime side: sessions, the custom-operator library path, and emulation-vs-deployment checks."""
+"""ONNX Runtime side: sessions, the custom-operator library path, and emulation-vs-deployment checks.
+
+Importing this module (and calling :func:`get_library_path`) loads neither torch nor onnx: a deployment
+that only registers the operator library stays light. numpy, onnx and torch are imported by the functions
+that use them.
+"""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
-import onnx
-import torch
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .errors import UnsupportedFeatureError
-from .fakequant import FakeQuantize
-from .formats.spec import FloatFormat, IntFormat
+
+if TYPE_CHECKING:  # annotations only
+    import numpy as np
+    import onnx
+    import torch
+
+    from .fakequant import FakeQuantize
 
 OPT_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
 
@@ -38,9 +48,41 @@ def get_library_path(device: str = "CPU") -> str:
     if not isinstance(device, str) or device.upper() != "CPU":
         raise UnsupportedFeatureError(
             f"get_library_path({device!r}): this version builds CPU kernels only; valid: device='CPU'")
-    from qtorch_onnx.export.ort_ops.build import library_path
+    return _build_module().library_path()
 
-    return library_path()
+
+_BUILD = "qtorch_onnx.export.ort_ops.build"
+
+
+def _build_module():
+    """The module :mod:`qtorch_onnx.export.ort_ops.build` (standard library only).
+
+    Importing it by name would first run ``qtorch_onnx.export``'s ``__init__``, which imports torch; while
+    that package is not imported yet, the module is loaded from its file under its own dotted name instead
+    (one module object either way: ``from qtorch_onnx.export.ort_ops.build import X`` later finds it in
+    ``sys.modules``).
+    """
+    module = sys.modules.get(_BUILD)
+    if module is not None:
+        return module
+    package = "qtorch_onnx.export"
+    if package in sys.modules:
+        return importlib.import_module(_BUILD)
+    spec = importlib.util.find_spec(package)  # locates the package without executing it
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((os.path.join(d, "ort_ops", "build.py") for d in locations
+                 if os.path.isfile(os.path.join(d, "ort_ops", "build.py"))), None)
+    if path is None:  # an unusual installation (zip, frozen): the ordinary import
+        return importlib.import_module(_BUILD)
+    build_spec = importlib.util.spec_from_file_location(_BUILD, path)
+    module = importlib.util.module_from_spec(build_spec)
+    sys.modules[_BUILD] = module
+    try:
+        build_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(_BUILD, None)
+        raise
+    return module
 
 
 #: custom domains served by the operator library (OPS.md)
@@ -72,12 +114,17 @@ def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threa
 
 def run(model_or_session, inputs: Sequence[np.ndarray], **kw) -> List[np.ndarray]:
     """Run with positional inputs in ONNX order; returns outputs in ONNX order."""
+    import numpy as np
+    import onnx
+
     sess = model_or_session if not isinstance(model_or_session, onnx.ModelProto) else session(model_or_session, **kw)
     names = [i.name for i in sess.get_inputs()]
     return sess.run(None, {n: np.asarray(a) for n, a in zip(names, inputs)})
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
@@ -123,6 +170,10 @@ class ParityReport:
 
 
 def _steps(diff: np.ndarray, ref: np.ndarray, fq: Optional[FakeQuantize]) -> Optional[float]:
+    import numpy as np
+
+    from .formats.spec import FloatFormat, IntFormat
+
     if fq is None or diff.size == 0:
         return None
     if isinstance(fq.fmt, IntFormat):
@@ -153,6 +204,9 @@ def check_parity(qm, exported: onnx.ModelProto, qmap: Dict, samples: Sequence[Tu
         exported, qmap: ``export(qm, return_map=True)``.
         samples: inputs (tuples of tensors in ONNX input order).
     """
+    import numpy as np
+    import torch
+
     from .export import quantizer_submodel, safe_name as _safe
 
     fqs: Dict[str, FakeQuantize] = qm.quantizers()

@@ -13,18 +13,50 @@ Public API:
 Recurrent ops (LSTM, GRU, RNN, com.microsoft::DynamicQuantizeLSTM: :mod:`.recurrent`) and control flow
 (If with a runtime condition, Loop, Scan: :mod:`.control_flow`, subgraphs lifted recursively, their
 tensors in ``tensor_map.subgraphs``) and AMD Quark's custom quantization operators (:mod:`.ops_quark`)
-register their converters when this package is imported.
+register their converters when the converters are first needed (see below).
 
 This package knows ONNX and torch, nothing about quantization.
+
+onnx2torch (which imports torchvision and torch._dynamo, about two seconds) is imported only when a name
+that needs it is first used: ``lift``, ``check_supported``, ``load_model``, ``register_converter`` and
+``optimize_for_inference`` are looked up in :data:`_LAZY` (PEP 562) and their module (which registers the
+converters) is imported then; ``normalize`` and the TensorMap types are imported with the package.
 """
+from __future__ import annotations
+
+import importlib
+
 from .normalize import normalize, normalize_with_aliases, same_pads
 from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
-from .lifter import check_supported, lift, load_model
-from .converters import register_converter
-from . import ops_quark  # noqa: F401,E402  (registers com.amd.quark / com.vai.quantize converters)
-from .optimize import optimize_for_inference
+
+#: public name -> the submodule defining it, imported on first access (these import onnx2torch)
+_LAZY = {"lift": "lifter", "check_supported": "lifter", "load_model": "lifter",
+         "register_converter": "converters", "optimize_for_inference": "optimize"}
 
 __all__ = [
     "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",
     "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo", "register_converter", "optimize_for_inference",
 ]
+
+
+def __getattr__(name: str):
+    """PEP 562 hook: import the submodule defining ``name`` (see :data:`_LAZY`) and cache the value.
+
+    Raises:
+        AttributeError: ``name`` is neither public API of this package nor one of its submodules.
+    """
+    short = _LAZY.get(name)
+    if short is None:
+        try:  # a submodule by attribute (``qtorch_onnx.lift.lifter`` before anything imported it)
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{short}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
