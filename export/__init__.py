@@ -4,7 +4,7 @@ Installed as ``qtorch_onnx.export``. The exported model is the normalized input 
 on the quantized tensors and the current (possibly finetuned) weights:
 
 * integer activations: ``QuantizeLinear -> DequantizeLinear`` (default domain; ``com.microsoft`` when the
-  model's opset is below 21 and a 16-bit type is used, or below 13 and an axis is needed);
+  model's opset is below 21 and a 4- or 16-bit type is used, or below 13 and an axis is needed);
 * integer weights: quantized initializer -> ``DequantizeLinear`` (per tensor or per channel);
 * INT32 bias: int32 initializer -> ``DequantizeLinear``;
 * INT32 / UINT32 activations: ``com.amd.quark::ExtendedQuantizeLinear -> ExtendedDequantizeLinear`` (the
@@ -57,6 +57,7 @@ __all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic"
 QUARK_DOMAIN = "com.amd.quark"
 
 _INT_ONNX = {
+    (4, True): TensorProto.INT4, (4, False): TensorProto.UINT4,
     (8, True): TensorProto.INT8, (8, False): TensorProto.UINT8, (16, True): TensorProto.INT16,
     (16, False): TensorProto.UINT16, (32, True): TensorProto.INT32, (32, False): TensorProto.UINT32,
 }
@@ -174,7 +175,10 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         old.CopyFrom(new)
 
     opset = _opset(model)
-    needs_16 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits == 16 for f in fqs.values())
+    needs_4 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits == 4 for f in fqs.values())
+    if needs_4 and model.ir_version < 10:
+        model.ir_version = 10  # INT4/UINT4 tensors need IR version 10
+    needs_16 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits in (4, 16) for f in fqs.values())
     needs_axis = any(isinstance(f.fmt, IntFormat) and f.scale.dim() > 0 for f in fqs.values())
     use_ms = (needs_16 and opset < 21) or (needs_axis and opset < 13) or opset < 10
     qdomain = "com.microsoft" if use_ms else ""

@@ -374,21 +374,21 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         if out_q is not None:
             pred = out_q(pred)
         loss = _rec_loss(pred, ld.target.index_select(0, idx))
-        rec_value = loss.detach()
+        rec_value = float(loss.detach())
+        if not math.isfinite(rec_value):
+            diverged = True
+            break
         if hook is not None and it >= warm:
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
             loss = loss + s.reg_param * hook.regularizer(beta)
-        if not torch.isfinite(loss):
-            diverged = True
-            break
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if sched is not None:
             sched.step()
-        acc += float(rec_value)
+        acc += rec_value
         if s.log_period and (it + 1) % s.log_period == 0:
-            it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
+            it_bar.set_postfix_str(f"loss {rec_value:.4g}")
         if (it + 1) % window == 0:
             mean = acc / window
             acc = 0.0

@@ -15,6 +15,8 @@ from typing import Any, Optional
 class QuantType(enum.Enum):
     """ONNX Runtime's integer quantization types (the subset this project supports)."""
 
+    QInt4 = "QInt4"
+    QUInt4 = "QUInt4"
     QInt8 = "QInt8"
     QUInt8 = "QUInt8"
     QInt16 = "QInt16"
@@ -32,6 +34,8 @@ class ExtendedQuantType(enum.Enum):
     (mixed precision tutorial) spells it that way in four examples, and those examples must run.
     """
 
+    QInt4 = "QInt4"
+    QUInt4 = "QUInt4"
     QInt8 = "QInt8"
     QUInt8 = "QUInt8"
     QInt16 = "QInt16"

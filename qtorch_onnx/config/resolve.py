@@ -81,10 +81,10 @@ FEATURE_DESCRIPTIONS: dict[str, str] = {
 # Vocabulary
 # --------------------------------------------------------------------------------------------------------
 TYPE_TO_FORMAT: dict[str, Any] = {
-    "QInt8": F.INT8, "QUInt8": F.UINT8, "QInt16": F.INT16, "QUInt16": F.UINT16, "QInt32": F.INT32,
+    "QInt4": F.INT4, "QUInt4": F.UINT4, "QInt8": F.INT8, "QUInt8": F.UINT8, "QInt16": F.INT16, "QUInt16": F.UINT16, "QInt32": F.INT32,
     "QUInt32": F.UINT32, "QFloat16": F.FP16, "QBFloat16": F.BF16, "QBFP": "BFP", "QMX": "MX",
 }
-_ORT_TYPES_NOT_SUPPORTED = {"QInt4", "QUInt4", "QFLOAT8E4M3FN", "QInt4x2", "QUInt4x2"}
+_ORT_TYPES_NOT_SUPPORTED = {"QFLOAT8E4M3FN", "QInt4x2", "QUInt4x2"}
 
 FLOAT_CALIBRATION = ("MinMax", "Entropy", "Percentile", "Distribution")
 POWER_OF_TWO_CALIBRATION = ("NonOverflow", "MinMSE")

@@ -17,7 +17,7 @@ class IntFormat:
     """Integer Q/DQ format (NUMERICS.md section 1).
 
     Attributes:
-        bits: 8, 16 or 32.
+        bits: 4, 8, 16 or 32.
         signed: True for INT*, False for UINT*.
     """
 
@@ -40,14 +40,20 @@ class IntFormat:
     def torch_dtype(self) -> torch.dtype:
         """Storage dtype of the quantized integers (uint16/uint32 are held in the next wider signed type)."""
         return {
+            (4, True): torch.int8, (4, False): torch.uint8,
             (8, True): torch.int8, (8, False): torch.uint8, (16, True): torch.int16, (16, False): torch.int32,
             (32, True): torch.int32, (32, False): torch.int64,
         }[(self.bits, self.signed)]
 
     @property
     def numpy_dtype(self):
+        """numpy dtype of the ONNX storage type (``ml_dtypes.int4`` / ``uint4`` for 4-bit types)."""
         import numpy as np
 
+        if self.bits == 4:
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.int4 if self.signed else ml_dtypes.uint4)
         return np.dtype(f"{'' if self.signed else 'u'}int{self.bits}")
 
 
@@ -102,6 +108,8 @@ class MXFormat:
 
 Format = Union[IntFormat, FloatFormat, BFPFormat, MXFormat]
 
+INT4 = IntFormat(4, True)
+UINT4 = IntFormat(4, False)
 INT8 = IntFormat(8, True)
 UINT8 = IntFormat(8, False)
 INT16 = IntFormat(16, True)
@@ -124,7 +132,7 @@ MXFP4 = MXFormat("fp4_e2m1")
 #: Named formats a user can refer to (CONFIG.md "Data types").
 REGISTRY: dict[str, Format] = {
     f.name: f
-    for f in (INT8, UINT8, INT16, UINT16, INT32, UINT32, BF16, FP16, BFP16, MX4, MX6, MX9, MXINT8, MXFP8_E4M3,
+    for f in (INT4, UINT4, INT8, UINT8, INT16, UINT16, INT32, UINT32, BF16, FP16, BFP16, MX4, MX6, MX9, MXINT8, MXFP8_E4M3,
               MXFP8_E5M2, MXFP6_E3M2, MXFP6_E2M3, MXFP4)
 }
 REGISTRY["MXFP4_E2M1"] = MXFP4

@@ -168,3 +168,21 @@ def test_user_data_and_settings_not_mutated():
     assert s.num_iterations == 10
     for d, r in zip(data, ref):
         assert np.array_equal(d["input"], r)
+
+
+@pytest.mark.parametrize("opset", [17, 21])
+@pytest.mark.parametrize("weight_type,per_channel", [("QInt4", False), ("QInt4", True), ("QUInt4", True)])
+def test_adaround_int4_weights_export_bit_exact(opset, weight_type, per_channel):
+    wt = getattr(qo.QuantType, weight_type)
+    qc = qo.QuantizationConfig(activation_type=qo.QuantType.QInt8, weight_type=wt, per_channel=per_channel,
+                               extra_options={"WeightSymmetric": weight_type == "QInt4"})
+    qm = _prepared(qo.Config(global_quant_config=qc), cnn(opset=opset))
+    assert qm.quantizers()["w2"].fmt.bits == 4
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=150, batch_size=4, progress=False)
+    assert sum(r.loss_after for r in qm.finetune_report.layers) < sum(r.loss_before for r in qm.finetune_report.layers)
+    exported = _bit_exact(qm, calib_data(3, seed=9))
+    int4 = onnx.TensorProto.INT4 if weight_type == "QInt4" else onnx.TensorProto.UINT4
+    w2 = next(t for t in exported.graph.initializer if t.name == "w2_quantized")
+    assert w2.data_type == int4
+    dq = next(n for n in exported.graph.node if n.input and n.input[0] == "w2_quantized")
+    assert dq.domain == ("" if opset >= 21 else "com.microsoft")

@@ -297,9 +297,16 @@ def test_onnxruntime_enums_accepted():
             resolve_config(QuantizationConfig(activation_type=QuantType[name])).activation
 
 
-@pytest.mark.parametrize("name", ["QInt4", "QUInt4", "QFLOAT8E4M3FN"])
+@pytest.mark.parametrize("name", ["QFLOAT8E4M3FN"])
 def test_onnxruntime_types_not_supported(name):
     _raises(UnsupportedFeatureError, [name], QuantizationConfig, weight_type=ortq.QuantType[name])
+
+
+@pytest.mark.parametrize("name,fmt", [("QInt4", F.INT4), ("QUInt4", F.UINT4)])
+def test_onnxruntime_int4_types(name, fmt):
+    # ONNX Runtime's and our own spellings of the 4-bit types both resolve
+    assert resolve_config(QuantizationConfig(weight_type=ortq.QuantType[name])).weight == fmt
+    assert resolve_config(QuantizationConfig(weight_type=getattr(QuantType, name))).weight == fmt
 
 
 def test_qoperator_is_gated():
