@@ -246,12 +246,10 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     t0 = time.perf_counter()
     s = _settings(qm, settings, algorithm, overrides)
     samples = _data.to_samples(data, qm.input_specs, what="fast finetune data")
-    n_wanted = s.data_size if s.data_size is not None else (s.num_batches * s.batch_size if s.num_batches else None)
-    if n_wanted is not None:
-        if len(samples) < n_wanted:
-            key = "DataSize" if s.data_size is not None else "NumBatches"
-            raise DataError(f"FastFinetune {key} asks for {n_wanted} samples but the data holds {len(samples)}")
-        samples = samples[:n_wanted]
+    if s.data_size is not None:
+        if len(samples) < s.data_size:
+            raise DataError(f"FastFinetune DataSize asks for {s.data_size} samples but the data holds {len(samples)}")
+        samples = samples[:s.data_size]
     n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
     if n_samples < s.batch_size:
         raise DataError(f"FastFinetune BatchSize {s.batch_size} exceeds the {n_samples} samples of the data; "
@@ -348,57 +346,57 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         hook = None
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=s.learning_rate)
-    sched = None
-    if s.lr_adjust is not None:
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(s.lr_adjust[0]), gamma=float(s.lr_adjust[1]))
+    lr = s.learning_rate
+    if s.lr_adjust is not None and loss_before > s.lr_adjust[0]:
+        lr = s.lr_adjust[1]  # Quark's LRAdjust: a layer with a large error gets its own learning rate
+        rec.note = f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
+    opt = torch.optim.Adam(params, lr=lr)
     n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     bs = min(s.batch_size, n)
     warm = int(math.ceil(s.warm_start * s.num_iterations))
-    window = max(10, s.num_iterations // 20)
-    best, stale, acc = math.inf, 0, 0.0
+    # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
+    # iterations when > 1, else a tenth of NumIterations) must beat the best window so far, or the layer stops
+    window = s.num_batches if s.num_batches > 1 else max(1, s.num_iterations // 10)
+    best, acc, seen = math.inf, 0.0, 0
     diverged = False
     it_bar = tqdm(range(s.num_iterations), desc=layer.name, leave=False, disable=not progress or s.num_iterations < 50)
     it = 0
     for it in it_bar:
-        idx = torch.randint(0, n, (bs,), generator=gen).to(ex.device)
-        inputs = {}
-        for a, x in ld.q_inputs.items():
-            xb = x.index_select(0, idx)
-            if s.drop_ratio < 1.0:
-                keep = torch.rand(xb.shape, generator=gen).to(xb.device) < s.drop_ratio
-                xb = torch.where(keep, xb, ld.f_inputs[a].index_select(0, idx))
-            inputs[a] = xb
-        pred = fn(inputs)
-        if out_q is not None:
-            pred = out_q(pred)
-        loss = _rec_loss(pred, ld.target.index_select(0, idx))
-        rec_value = float(loss.detach())
+        opt.zero_grad(set_to_none=True)
+        rec_value = 0.0
+        for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
+            idx = torch.randint(0, n, (bs,), generator=gen).to(ex.device)
+            inputs = {}
+            for a, x in ld.q_inputs.items():
+                xb = x.index_select(0, idx)
+                if s.drop_ratio < 1.0:  # QDrop: the float input where the draw is above DropRatio
+                    keep = torch.rand(xb.shape, generator=gen).to(xb.device) < s.drop_ratio
+                    xb = torch.where(keep, xb, ld.f_inputs[a].index_select(0, idx))
+                inputs[a] = xb
+            pred = fn(inputs)
+            if out_q is not None:
+                pred = out_q(pred)
+            loss = _rec_loss(pred, ld.target.index_select(0, idx)) / s.num_batches
+            rec_value += float(loss.detach())
+            loss.backward()
         if not math.isfinite(rec_value):
             diverged = True
             break
         if hook is not None and it >= warm:
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
-            loss = loss + s.reg_param * hook.regularizer(beta)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+            (s.reg_param * hook.regularizer(beta)).backward()
         opt.step()
-        if sched is not None:
-            sched.step()
-        acc += rec_value
         if s.log_period and (it + 1) % s.log_period == 0:
             it_bar.set_postfix_str(f"loss {rec_value:.4g}")
-        if (it + 1) % window == 0:
-            mean = acc / window
-            acc = 0.0
-            if mean < best * (1 - 1e-3):
-                best, stale = mean, 0
-            else:
-                stale += 1
-            settled = hook is None or (it >= warm and bool(((hook.h() - 0.5).abs() > 0.49).all()))
-            if s.early_stop and stale >= 3 and settled:
-                break
+        if s.early_stop and it >= warm:
+            acc, seen = acc + rec_value, seen + 1
+            if seen == window:
+                mean, acc, seen = acc / window, 0.0, 0
+                if mean > best:
+                    rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
+                    break
+                best = mean
     it_bar.close()
     rec.iterations = it + 1
     for p in params:

@@ -31,12 +31,12 @@ class FastFinetuneSettings:
     drop_ratio: float = 1.0
     target_op_type: tuple = ("Conv", "ConvTranspose", "Gemm", "MatMul", "InstanceNormalization", "LayerNormalization")
     selective_update: bool = False
-    num_batches: Optional[int] = None  # DataSize in batches of BatchSize (DataSize wins when both are given)
-    lr_adjust: Optional[tuple] = None  # (interval, factor): multiply the learning rate by factor every interval steps
+    num_batches: int = 1  # mini-batches of BatchSize whose gradients one iteration accumulates
+    lr_adjust: Optional[tuple] = None  # (error threshold, lr): layers whose initial loss exceeds it train with lr
     output_qdq: bool = False  # include the layer's output quantizer in the reconstruction
-    log_period: Optional[int] = None  # show the loss every this many iterations
-    mem_opt_level: int = 0  # cached activations: 0 on the device (host past a budget), 1 host memory, 2 disk
-    output_index: Optional[int] = None  # model output the before/after report measures (None: all)
+    log_period: int = 100  # show the loss every this many iterations
+    mem_opt_level: int = 1  # cached activations: 0 on the device (host past a budget), 1 host memory, 2 disk
+    output_index: int = 0  # model output the before/after report measures
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchS
                       "EarlyStop", "OptimDevice", "InferDevice", "UpdateBias", "RegParam", "BetaRange",
                       "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
                       "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex")
-FAST_FINETUNE_NOT_SUPPORTED = frozenset({"EarlyStopPatience", "RefModelPath"})
+FAST_FINETUNE_NOT_SUPPORTED = frozenset({"RefModelPath", "CacheDir", "SelectMaxMemLayer", "NumWorkers", "PinMemory",
+                                         "UseGDS", "DynamicBatch", "Parallel", "BlockRecon"})
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
                 "L2Target", "Top1AccTarget", "EvaluateFunction", "DualQuantNodes")
@@ -688,23 +689,24 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         target_op_type=_names(opts["TargetOpType"], f"{where}['TargetOpType']", allow_empty=False)
         if "TargetOpType" in opts else d.target_op_type,
         selective_update=_bool(opts.get("SelectiveUpdate", d.selective_update), f"{where}['SelectiveUpdate']"),
-        num_batches=None if opts.get("NumBatches") is None else _int(opts["NumBatches"], f"{where}['NumBatches']", 1),
+        num_batches=_int(opts.get("NumBatches", d.num_batches), f"{where}['NumBatches']", 1),
         lr_adjust=_lr_adjust(opts.get("LRAdjust"), f"{where}['LRAdjust']"),
         output_qdq=_bool(opts.get("OutputQDQ", d.output_qdq), f"{where}['OutputQDQ']"),
-        log_period=None if opts.get("LogPeriod") is None else _int(opts["LogPeriod"], f"{where}['LogPeriod']", 1),
+        log_period=_int(opts.get("LogPeriod", d.log_period), f"{where}['LogPeriod']", 1),
         mem_opt_level=_int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2),
-        output_index=None if opts.get("OutputIndex") is None else _int(opts["OutputIndex"], f"{where}['OutputIndex']", 0),
+        output_index=_int(opts.get("OutputIndex", d.output_index), f"{where}['OutputIndex']", 0),
     )
 
 
 def _lr_adjust(value: Any, where: str):
-    """``LRAdjust``: ``(interval, factor)``, the learning rate multiplied by ``factor`` every ``interval``
-    iterations; None or ``()`` for a constant rate."""
+    """``LRAdjust`` as Quark 0.13 defines it: ``(threshold, learning_rate)``: a layer whose reconstruction loss
+    before finetuning exceeds ``threshold`` trains with ``learning_rate`` instead of ``LearningRate``. None or
+    ``()``: every layer uses ``LearningRate``."""
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ConfigError(f"{where} must be a pair (interval, factor), e.g. (200, 0.5), got {value!r}")
-    return (_int(value[0], f"{where}[0]", 1), _float(value[1], f"{where}[1]", 0.0, lo_open=True))
+        raise ConfigError(f"{where} must be a pair (loss threshold, learning rate), e.g. (0.01, 0.5), got {value!r}")
+    return (_float(value[0], f"{where}[0]", 0.0), _float(value[1], f"{where}[1]", 0.0, lo_open=True))
 
 
 # --------------------------------------------------------------------------------------------------------

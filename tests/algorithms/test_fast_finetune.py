@@ -114,12 +114,14 @@ def test_quark_vocabulary_named_config_and_seed_snippet(tmp_path):
                                               "AlignConcat": True, "AlignEltwiseQuantType": True,
                                               "FastFinetune": {"NumIterations": 20, "LearningRate": 1e-6,
                                                                "OptimAlgorithm": "adaquant", "LogPeriod": 5,
-                                                               "LRAdjust": (10, 0.5), "OutputQDQ": True,
-                                                               "MemOptLevel": 1, "NumBatches": 2, "BatchSize": 2}})
+                                                               "LRAdjust": (0.0, 1e-5), "OutputQDQ": True,
+                                                               "MemOptLevel": 2, "NumBatches": 2, "BatchSize": 2,
+                                                               "DataSize": 6, "EarlyStop": True}})
     q = qo.ModelQuantizer(qo.Config(global_quant_config=qc))
     q.quantize_model(cnn(), str(tmp_path / "n.onnx"), calib_data(8))
     rep = q.quantized_model.finetune_report
-    assert rep.samples == 4 and all(r.iterations <= 20 for r in rep.layers)
+    assert rep.samples == 6 and all(r.iterations <= 20 for r in rep.layers)
+    assert all("LRAdjust" in r.note for r in rep.layers)  # every loss exceeds the threshold 0
 
 
 def test_bad_settings_are_named():
