@@ -3,7 +3,8 @@
 Public API (and nothing else): the Quark-compatible vocabulary (``ModelQuantizer``, ``Config``,
 ``QuantizationConfig``, ``get_default_config``, the type enums), the native torch API (``lift``, ``prepare``,
 ``calibrate``, ``export``, ``load_quantized``), the training contract (``learn_scales``, the observer /
-fake-quant switches, ``QuantLayer``, ``save`` / ``load``), metrics (``evaluate``) and ONNX Runtime helpers
+fake-quant switches, ``QuantLayer``, ``save`` / ``load``), algorithms (``fast_finetune``, ``adaround``,
+``adaquant``), metrics (``evaluate``) and ONNX Runtime helpers
 (``get_library_path``).
 
 ``import qtorch_onnx`` imports neither torch nor onnx2torch: every public name is looked up in
@@ -43,11 +44,12 @@ _LAZY = {
     "load_quantized": "importer",
     **dict.fromkeys(("learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant",
                      "disable_fake_quant", "observers_disabled", "fake_quant_disabled", "QuantLayer"), "training"),
+    **dict.fromkeys(("fast_finetune", "adaround", "adaquant"), "algorithms"),
 }
 
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
-_SUBMODULES = ("cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats", "importer",
+_SUBMODULES = ("algorithms", "cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats", "importer",
                "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
                "triton_kernels")
 
@@ -58,7 +60,7 @@ __all__ = [
     "UnsupportedOpsError", "FakeQuantize", "lift", "evaluate", "ModelQuantizer", "QuantizedModel", "calibrate",
     "prepare", "get_library_path", "export", "load_quantized",
     "learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
-    "observers_disabled", "fake_quant_disabled", "QuantLayer",
+    "observers_disabled", "fake_quant_disabled", "QuantLayer", "fast_finetune", "adaround", "adaquant",
     "__version__",
 ]
 
