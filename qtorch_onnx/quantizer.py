@@ -516,6 +516,8 @@ class ModelQuantizer:
 
         qm = prepare(model_input, self.resolved, device=device)
         data = calibration_data_reader if calibration_data_reader is not None else calibration_data_path
+        if data is not None:  # a data reader is an iterator: read it once, for calibration and fast finetune
+            data = _data.to_samples(data, qm.input_specs)
         if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
             if data is None:
                 raise DataError("this configuration calibrates activations: give calibration_data_reader "

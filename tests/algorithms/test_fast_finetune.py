@@ -105,8 +105,16 @@ def test_quark_vocabulary_named_config_and_seed_snippet(tmp_path):
     cfg.extra_options["FastFinetune"].update(NumIterations=30, BatchSize=2)
     out = tmp_path / "m.onnx"
     q = qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
-    q.quantize_model(cnn(), str(out), calib_data(8))
+    class Reader:  # an ONNX Runtime CalibrationDataReader: one pass only, calibration and finetune share it
+        def __init__(self):
+            self.it = iter(calib_data(8))
+
+        def get_next(self):
+            return next(self.it, None)
+
+    q.quantize_model(cnn(), str(out), Reader())
     assert out.exists() and q.quantized_model.finetune_report.algorithm == "adaround"
+    assert q.quantized_model.finetune_report.samples == 8
     # the seed's AdaQuant snippet (FastFinetune in extra_options, no include_fast_ft)
     qc = qo.QuantizationConfig(calibrate_method=qo.CalibrationMethod.MinMax, quant_format=qo.ExtendedQuantFormat.QDQ,
                                activation_type=qo.QuantType.QInt8, weight_type=qo.QuantType.QInt8,
