@@ -49,8 +49,8 @@ _LAZY = {
 
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
-_SUBMODULES = ("algorithms", "cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats", "importer",
-               "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
+_SUBMODULES = ("algorithms", "cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats",
+               "importer", "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
                "triton_kernels")
 
 __all__ = [
