@@ -4,7 +4,7 @@ Public API (and nothing else): the Quark-compatible vocabulary (``ModelQuantizer
 ``QuantizationConfig``, ``get_default_config``, the type enums), the native torch API (``lift``, ``prepare``,
 ``calibrate``, ``export``, ``load_quantized``), the training contract (``learn_scales``, the observer /
 fake-quant switches, ``QuantLayer``, ``save`` / ``load``), algorithms (``fast_finetune``, ``adaround``,
-``adaquant``), metrics (``evaluate``) and ONNX Runtime helpers
+``adaquant``, ``sensitivity``, ``auto_mixed_precision``), metrics (``evaluate``) and ONNX Runtime helpers
 (``get_library_path``).
 
 ``import qtorch_onnx`` imports neither torch nor onnx2torch: every public name is looked up in
@@ -44,7 +44,8 @@ _LAZY = {
     "load_quantized": "importer",
     **dict.fromkeys(("learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant",
                      "disable_fake_quant", "observers_disabled", "fake_quant_disabled", "QuantLayer"), "training"),
-    **dict.fromkeys(("fast_finetune", "adaround", "adaquant"), "algorithms"),
+    **dict.fromkeys(("fast_finetune", "adaround", "adaquant", "sensitivity", "auto_mixed_precision",
+                     "MixedPrecisionPlan"), "algorithms"),
 }
 
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
@@ -61,6 +62,7 @@ __all__ = [
     "prepare", "get_library_path", "export", "load_quantized",
     "learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     "observers_disabled", "fake_quant_disabled", "QuantLayer", "fast_finetune", "adaround", "adaquant",
+    "sensitivity", "auto_mixed_precision", "MixedPrecisionPlan",
     "__version__",
 ]
 

@@ -412,7 +412,9 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
     w_t = amp.weight_target_quant_type or cfg.weight
     dual = amp.dual_quant_nodes
     target_ops = set(amp.target_op_type)
-    promoted = [n for n in model.graph.node if n.op_type in target_ops and in_scope(n)]
+    chosen = None if amp.promoted_nodes is None else set(amp.promoted_nodes)
+    promoted = [n for n in model.graph.node if n.op_type in target_ops and in_scope(n)
+                and (chosen is None or n.name in chosen)]
     promoted_names = {n.name for n in promoted}
     int_bias = cfg.int32_bias and isinstance(act_t, IntFormat) and isinstance(w_t, IntFormat)
     edges: Dict[str, QuantSpec] = {}

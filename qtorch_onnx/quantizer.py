@@ -14,6 +14,7 @@ Quark-compatible API::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -514,6 +515,10 @@ class ModelQuantizer:
         """
         from .export import export
 
+        amp = self.resolved.auto_mixprecision
+        if amp is not None and (amp.l2_target is not None or amp.top1_acc_target is not None):
+            return self._quantize_auto_mp(model_input, model_output, calibration_data_reader, calibration_data_path,
+                                          device=device, progress=progress)
         qm = prepare(model_input, self.resolved, device=device)
         data = calibration_data_reader if calibration_data_reader is not None else calibration_data_path
         if data is not None:  # a data reader is an iterator: read it once, for calibration and fast finetune
@@ -535,3 +540,33 @@ class ModelQuantizer:
         self.quantized_model = qm
         proto = export(qm, model_output)
         return None if model_output is not None else proto
+
+    def _quantize_auto_mp(self, model_input, model_output, reader, path, *, device, progress):
+        """Automatic mixed precision (AutoMixprecision with L2Target or Top1AccTarget): the wide configuration
+        is this one; insensitive layers of TargetOpType move to Act/WeightTargetQuantType while the target
+        holds (:func:`qtorch_onnx.algorithms.auto_mixed_precision`), then fast finetune if configured."""
+        from .algorithms import auto_mixed_precision, fast_finetune
+        from .export import export
+        from .lift import load_model
+
+        amp = self.resolved.auto_mixprecision
+        data = reader if reader is not None else path
+        if data is None:
+            raise DataError("automatic mixed precision (AutoMixprecision with L2Target/Top1AccTarget) needs data: "
+                            "give calibration_data_reader or calibration_data_path")
+        proto = load_model(model_input)
+        samples = _data.to_samples(data, _data.input_specs(proto))
+        wide = dataclasses.replace(self.resolved, auto_mixprecision=None)
+        top1 = amp.top1_acc_target is not None
+        plan, qm, result = auto_mixed_precision(
+            proto, samples, wide=wide, narrow=(amp.act_target_quant_type, amp.weight_target_quant_type),
+            target=amp.top1_acc_target if top1 else amp.l2_target, metric="top1" if top1 else "l2",
+            evaluate_function=amp.evaluate_function if top1 else None, output_index=amp.output_index,
+            target_op_type=amp.target_op_type, dual_quant_nodes=amp.dual_quant_nodes, device=device,
+            progress=progress)
+        if self.resolved.fast_finetune is not None:
+            fast_finetune(qm, samples, self.resolved.fast_finetune, progress=progress)
+        self.quantized_model = qm
+        self.mixed_precision_plan = plan
+        out = export(qm, model_output)
+        return None if model_output is not None else out

@@ -52,6 +52,9 @@ class AutoMixprecisionSettings:
     top1_acc_target: Optional[float] = None
     evaluate_function: Any = None
     dual_quant_nodes: bool = False
+    #: layer-wise promotion restricted to these node names (an automatic mixed-precision plan); None: every
+    #: node of ``target_op_type``
+    promoted_nodes: Optional[tuple] = None
 
 
 @dataclass(frozen=True)

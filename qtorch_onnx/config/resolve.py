@@ -61,7 +61,7 @@ from .internal import AutoMixprecisionSettings, FastFinetuneSettings, ResolvedCo
 IMPLEMENTED: dict[str, bool] = {
     "block_formats": True,
     "fast_finetune": True,
-    "auto_mixprecision": False,
+    "auto_mixprecision": True,
     "layerwise_mixprecision": True,
     "cle": False,
     "qoperator_format": False,

@@ -1,0 +1,765 @@
+"""Sensitivity analysis and automatic mixed precision on the torch model.
+
+``sensitivity(qm, data, ...)`` measures, for every quantized layer and candidate (narrow) format, the effect
+on the model output of switching that layer alone to the candidate: the layer's weight (and INT32 bias)
+quantizers are swapped for the candidate's, its activation inputs pass the candidate's quantizer after their
+own (the DualQuantNodes reading). It also gives a one-backward-pass first-order (Taylor / Fisher) estimate
+``sum over samples of (g . delta)^2`` (delta: the candidate's change of the layer's inputs and weight, g: the
+gradient of the output distance to the float model), and its rank agreement (Spearman) with the measurement.
+
+``auto_mixed_precision(model, data, wide=..., narrow=..., target=...)`` sorts the layers by measured
+sensitivity and bisects over how many of the least sensitive go narrow: every probe is a real mixed model
+(placed by the layer-wise machinery with exactly those nodes promoted, so precision boundaries, DualQuantNodes
+and INT32 biases are as exported), calibrated and evaluated: O(log L) full evaluations, and the returned model
+is one that was evaluated and meets the target (Quark 0.13 promotes one node at a time with a full ONNX
+Runtime pass each: O(L)).
+
+Metrics (lower is better): ``"l2"`` (Quark's: the mean over samples of ``||y_float - y||_2``), ``"cosine"``
+(1 - cosine similarity), ``"sqnr"`` (minus the SQNR in dB), ``"kl"`` (KL divergence of softmax outputs),
+``"top1"`` with an ``evaluate_function(outputs) -> accuracy`` (the accuracy drop from the float model, as
+Quark's ``Top1AccTarget``), or any ``fn(float_outputs, quant_outputs) -> float``. Outputs are given as Quark
+gives them: a list over samples of lists of numpy arrays (the output ``OutputIndex``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from .. import data as _data
+from ..errors import ConfigError, DataError
+from ..formats.spec import BFPFormat, Format, IntFormat, MXFormat
+
+__all__ = ["sensitivity", "auto_mixed_precision", "SensitivityReport", "MixedPrecisionPlan", "resolve_metric",
+           "DEFAULT_TARGET_OPS"]
+
+DEFAULT_TARGET_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+Outputs = List[List[np.ndarray]]
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def _l2(f: Outputs, q: Outputs) -> float:
+    vals = [float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))) for fs, qs in zip(f, q)
+            for a, b in zip(fs, qs)]
+    return float(np.mean(vals)) if vals else 0.0
+
+
+def _cosine(f: Outputs, q: Outputs) -> float:
+    a = np.concatenate([np.ravel(x).astype(np.float64) for s in f for x in s])
+    b = np.concatenate([np.ravel(x).astype(np.float64) for s in q for x in s])
+    den = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(1.0 - (a @ b) / den) if den > 0 else 0.0
+
+
+def _sqnr(f: Outputs, q: Outputs) -> float:
+    a = np.concatenate([np.ravel(x).astype(np.float64) for s in f for x in s])
+    b = np.concatenate([np.ravel(x).astype(np.float64) for s in q for x in s])
+    noise = float(np.sum((a - b) ** 2))
+    return -10.0 * math.log10(float(np.sum(a ** 2)) / noise) if noise > 0 else -math.inf
+
+
+def _kl(f: Outputs, q: Outputs) -> float:
+    total, n = 0.0, 0
+    for fs, qs in zip(f, q):
+        for a, b in zip(fs, qs):
+            a = np.asarray(a, np.float64).reshape(np.shape(a)[0] if np.ndim(a) > 1 else 1, -1)
+            b = np.asarray(b, np.float64).reshape(a.shape)
+            pa = np.exp(a - a.max(1, keepdims=True))
+            pa /= pa.sum(1, keepdims=True)
+            lb = b - b.max(1, keepdims=True)
+            lb -= np.log(np.exp(lb).sum(1, keepdims=True))
+            la = np.log(np.maximum(pa, 1e-30))
+            total += float(np.sum(pa * (la - lb)))
+            n += a.shape[0]
+    return total / max(1, n)
+
+
+BUILTIN_METRICS: Dict[str, Callable[[Outputs, Outputs], float]] = {"l2": _l2, "cosine": _cosine, "sqnr": _sqnr,
+                                                                   "kl": _kl}
+
+
+def _call_evaluate(fn: Callable, outputs: Outputs) -> float:
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        value = fn(outputs)
+    except Exception as exc:  # the user's function failed: say which and why
+        raise ConfigError(f"AutoMixprecision EvaluateFunction {name!r} raised {type(exc).__name__}: {exc} (it is "
+                          "called with the model outputs as Quark passes them: a list over samples of lists of "
+                          "numpy arrays)") from exc
+    if isinstance(value, (np.ndarray, torch.Tensor)) and np.size(value) == 1:
+        value = float(np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value).reshape(()))
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(value)):
+        raise ConfigError(f"AutoMixprecision EvaluateFunction {name!r} must return a finite number (the accuracy), "
+                          f"returned {value!r}")
+    return float(value)
+
+
+def resolve_metric(metric: Union[str, Callable, None], evaluate_function: Optional[Callable] = None
+                   ) -> Tuple[str, Callable[[Outputs, Outputs], float]]:
+    """``(name, fn(float_outputs, quant_outputs) -> distance)`` (lower is better).
+
+    Raises:
+        ConfigError: an unknown metric name, or ``"top1"`` without ``evaluate_function``.
+    """
+    if evaluate_function is not None and metric in (None, "top1"):
+        def top1_drop(f: Outputs, q: Outputs) -> float:
+            return _call_evaluate(evaluate_function, f) - _call_evaluate(evaluate_function, q)
+
+        return "top1", top1_drop
+    if metric is None:
+        metric = "l2"
+    if callable(metric):
+        return getattr(metric, "__name__", "user metric"), metric
+    if metric == "top1":
+        raise ConfigError("metric 'top1' needs evaluate_function (model outputs -> top-1 accuracy)")
+    if metric not in BUILTIN_METRICS:
+        from ..errors import closest
+
+        raise ConfigError(f"unknown metric {metric!r}{closest(str(metric), BUILTIN_METRICS)}; valid: "
+                          f"{', '.join(BUILTIN_METRICS)}, 'top1' (with evaluate_function) or a function")
+    return metric, BUILTIN_METRICS[metric]
+
+
+def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -> Outputs:
+    """The model's outputs per sample (list over samples of ``[output]`` numpy arrays), in eval mode.
+
+    Raises:
+        ConfigError: ``output_index`` beyond the model's outputs.
+    """
+    specs = qm.input_specs
+    out: Outputs = []
+    was = qm.training
+    qm.eval()
+    try:
+        with torch.no_grad():
+            device = qm.device
+            dyn = all(s.batch_dynamic for s in specs)
+            sizes = [int(s[0].shape[0]) for s in samples]
+            pos = 0
+            for batch in _data.batches(samples, specs, batch_size if dyn else 1):
+                y = qm(*(t.to(device) for t in batch))
+                ys = list(y) if isinstance(y, (tuple, list)) else [y]
+                if output_index is not None and output_index >= len(ys):
+                    raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
+                                      f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
+                sel = ys if output_index is None else [ys[output_index]]
+                n = int(batch[0].shape[0])
+                if dyn and n > sizes[pos]:  # split a concatenated batch back into the samples
+                    start = 0
+                    while start < n:
+                        k = sizes[pos]
+                        out.append([o[start:start + k].float().cpu().numpy() for o in sel])
+                        start += k
+                        pos += 1
+                else:
+                    out.append([o.float().cpu().numpy() for o in sel])
+                    pos += 1
+    finally:
+        qm.train(was)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@dataclass
+class MixedPrecisionPlan:
+    """A layer-wise mixed-precision assignment: the nodes that take the narrow formats.
+
+    Reusable without a new search: :meth:`save` / :meth:`load` (JSON), :meth:`apply` (a ResolvedConfig whose
+    layer-wise promotion is exactly these nodes), :meth:`tensor_precision` (Quark's ``MixedPrecisionTensor``
+    form: format name -> tensor names).
+    """
+
+    promoted_nodes: List[str]
+    act_format: Format
+    weight_format: Format
+    dual_quant_nodes: bool = False
+    target_op_type: Tuple[str, ...] = DEFAULT_TARGET_OPS
+    metric: str = "l2"
+    value: Optional[float] = None
+    target: Optional[float] = None
+
+    def apply(self, cfg):
+        """A copy of ResolvedConfig ``cfg`` that places this plan (layer-wise promotion of exactly these nodes)."""
+        from ..config.internal import AutoMixprecisionSettings
+
+        amp = AutoMixprecisionSettings(target_op_type=tuple(self.target_op_type), act_target_quant_type=self.act_format,
+                                       weight_target_quant_type=self.weight_format,
+                                       dual_quant_nodes=self.dual_quant_nodes, promoted_nodes=tuple(self.promoted_nodes))
+        return dataclasses.replace(cfg, auto_mixprecision=amp)
+
+    def tensor_precision(self, qm) -> Dict[str, List[str]]:
+        """``{format name: [tensor names]}`` of the narrow quantizers of ``qm`` (a model prepared with this plan)."""
+        out: Dict[str, List[str]] = {}
+        for key, fq in qm.quantizers().items():
+            if fq.role == "activation":
+                narrow = fq.fmt == self.act_format and fq.fmt != qm.config.activation
+            else:
+                narrow = fq.fmt == self.weight_format and fq.fmt != qm.config.weight and fq.bias_sources is None
+            if narrow:
+                out.setdefault(fq.fmt.name, []).append(key)
+        return out
+
+    def to_json(self) -> Dict[str, Any]:
+        from ..training import _fmt_to_dict
+
+        return {"promoted_nodes": list(self.promoted_nodes), "act_format": _fmt_to_dict(self.act_format),
+                "weight_format": _fmt_to_dict(self.weight_format), "dual_quant_nodes": self.dual_quant_nodes,
+                "target_op_type": list(self.target_op_type), "metric": self.metric, "value": self.value,
+                "target": self.target}
+
+    def save(self, path: str) -> None:
+        """Write the plan as JSON."""
+        from ..export import save_bytes_atomic
+
+        save_bytes_atomic(json.dumps(self.to_json(), indent=2).encode(), path)
+
+    @classmethod
+    def load(cls, path: str) -> "MixedPrecisionPlan":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            ConfigError: not a plan file.
+        """
+        from ..training import _fmt_from_dict
+
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            return cls(promoted_nodes=list(d["promoted_nodes"]), act_format=_fmt_from_dict(d["act_format"]),
+                       weight_format=_fmt_from_dict(d["weight_format"]), dual_quant_nodes=bool(d["dual_quant_nodes"]),
+                       target_op_type=tuple(d["target_op_type"]), metric=d.get("metric", "l2"),
+                       value=d.get("value"), target=d.get("target"))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path!r} is not a mixed-precision plan written by MixedPrecisionPlan.save ({exc})") from exc
+
+
+# ------------------------------------------------------------------------------------------------ building
+class _Builder:
+    """Lifts the model once; builds calibrated models for any set of promoted nodes."""
+
+    def __init__(self, model, cfg, calib_samples, device, progress: bool):
+        from ..lift import lift, load_model
+        from ..training import make_trainable
+
+        self.cfg = cfg
+        self.gm = lift(load_model(model), fold_batchnorm=True)
+        make_trainable(self.gm)
+        self.calib = calib_samples
+        self.device = device
+        self.progress = progress
+        self.builds = 0
+
+    def build(self, cfg):
+        from ..placement import plan_quantization
+        from ..quantizer import attach_quantizers, calibrate
+
+        gm = copy.deepcopy(self.gm)
+        plan = plan_quantization(gm.onnx_model, cfg)
+        qm = attach_quantizers(gm, plan, cfg)
+        if self.device is not None:
+            qm.to(self.device)
+        if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
+            calibrate(qm, self.calib, progress=False)
+        self.builds += 1
+        return qm
+
+    def wide(self):
+        return self.build(dataclasses.replace(self.cfg, auto_mixprecision=None))
+
+    def promoted(self, nodes, act_fmt, w_fmt, target_ops, dual):
+        from ..config.internal import AutoMixprecisionSettings
+
+        amp = AutoMixprecisionSettings(target_op_type=tuple(target_ops), act_target_quant_type=act_fmt,
+                                       weight_target_quant_type=w_fmt, dual_quant_nodes=dual,
+                                       promoted_nodes=tuple(nodes))
+        return self.build(dataclasses.replace(self.cfg, auto_mixprecision=amp))
+
+
+# ------------------------------------------------------------------------------------------------ sensitivity
+@dataclass
+class LayerSensitivity:
+    """One layer's sensitivity: metric value with the layer alone narrow, per candidate, and the gradient
+    estimate; weight bytes wide and per candidate."""
+
+    name: str
+    op_type: str
+    measured: Dict[str, float] = field(default_factory=dict)
+    estimated: Dict[str, float] = field(default_factory=dict)
+    weight_bytes: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SensitivityReport:
+    """:func:`sensitivity`'s result: per layer, the baseline (all-wide) metric, the rank agreement (Spearman)
+    of the gradient estimate with the measurement per candidate, the number of forward passes and the time."""
+
+    metric: str
+    baseline: float
+    layers: List[LayerSensitivity]
+    candidates: List[str]
+    spearman: Dict[str, Optional[float]] = field(default_factory=dict)
+    forward_passes: int = 0
+    seconds: float = 0.0
+
+    def order(self, candidate: Optional[str] = None) -> List[str]:
+        """Layer names, least sensitive first (for ``candidate``, default the first)."""
+        c = candidate or self.candidates[0]
+        return [l.name for l in sorted(self.layers, key=lambda l: l.measured[c])]
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _candidate_name(c) -> str:
+    a, w = c
+    return a.name if a == w else f"{a.name}/{w.name}"
+
+
+def _as_candidate(c) -> Tuple[Format, Format]:
+    from ..formats.spec import get_format
+
+    if isinstance(c, str):
+        f = get_format(c)
+        return (f, f)
+    if isinstance(c, (tuple, list)) and len(c) == 2:
+        return tuple(get_format(x) if isinstance(x, str) else x for x in c)  # type: ignore[return-value]
+    return (c, c)
+
+
+def _bits(fmt: Format) -> float:
+    if isinstance(fmt, IntFormat):
+        return float(fmt.bits)
+    if isinstance(fmt, BFPFormat):
+        return fmt.bit_width / 2.0 if fmt.bfp_method == "to_bfp" else {11: 4.0, 13: 6.0, 16: 9.0}.get(fmt.bit_width, 9.0)
+    if isinstance(fmt, MXFormat):
+        return {"int8": 8.25, "fp8_e4m3": 8.25, "fp8_e5m2": 8.25, "fp6_e3m2": 6.25, "fp6_e2m3": 6.25,
+                "fp4_e2m1": 4.25}.get(fmt.element_dtype, 8.25)
+    return 16.0
+
+
+class _Patch:
+    """Switches one layer of the wide model to the narrow model's quantizers, and back."""
+
+    def __init__(self, wide, narrow, name: str):
+        self.wide, self.narrow, self.name = wide, narrow, name
+        wl = {l.name: l for l in wide.layers()}[name]
+        nl = {l.name: l for l in narrow.layers()}[name]
+        self.layer = wl
+        self.swaps: List[Tuple[Any, str, Any, Any]] = []  # (owner, attribute, old, new)
+        self.acts: List[Tuple[int, Any]] = []
+        info = wide.tensor_map.graph.nodes[name]
+        nfq = narrow.quantizers()
+        wfq = wide.quantizers()
+        inits = set(wide.plan.info.initializers)
+        # weights and biases: swap the module's parametrization, or the own quantizer's slot in the holder
+        for wq, nq in ((wl.weight_quantizer, nl.weight_quantizer), (wl.bias_quantizer, nl.bias_quantizer)):
+            if wq is None or nq is None or wq.fmt == nq.fmt and nq.bias_sources is None:
+                continue
+            self._swap_everywhere(wq, nq)
+        # activation inputs: the narrow quantizer after the wide one (DualQuantNodes reading)
+        node = next(n for n in wide.gm.graph.nodes if n.name == info.fx_node)
+        pos = 0
+        for a in node.args:
+            if not hasattr(a, "op"):
+                pos += 1
+                continue
+            tensor = self._tensor_of(a)
+            if tensor is not None and tensor not in inits:
+                q = nfq.get(f"{tensor} -> {name}") or nfq.get(tensor)
+                if q is not None and (tensor not in wfq or wfq[tensor].fmt != q.fmt):
+                    self.acts.append((pos, q))
+            pos += 1
+        self.handle = None
+
+    def _tensor_of(self, a):
+        if a.op == "call_module" and str(a.target).startswith("quantizers."):
+            return self.wide.gm.get_submodule(str(a.target)).tensor_name
+        return self.wide.tensor_map.tensor_of_node(a.name)
+
+    def _swap_everywhere(self, old_fq, new_fq):
+        for mod in self.wide.modules():
+            for attr, child in list(mod._modules.items()):
+                if child is old_fq:
+                    self.swaps.append((mod, attr, old_fq, new_fq))
+
+    def __enter__(self):
+        for mod, attr, _, new in self.swaps:
+            mod._modules[attr] = new
+        if self.acts and self.layer.module is not None:
+            acts = self.acts
+
+            def pre(mod, args):
+                args = list(args)
+                for i, q in acts:
+                    if i < len(args) and isinstance(args[i], torch.Tensor):
+                        args[i] = q(args[i])
+                return tuple(args)
+
+            self.handle = self.layer.module.register_forward_pre_hook(pre)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, attr, old, _ in self.swaps:
+            mod._modules[attr] = old
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    if len(a) < 3:
+        return None
+    ra = np.argsort(np.argsort(a)).astype(np.float64)
+    rb = np.argsort(np.argsort(b)).astype(np.float64)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -> Dict[str, float]:
+    """First-order estimate per layer: ``sum_samples (sum g*delta)^2`` over the layer's activation inputs and
+    weight (``delta``: narrow minus wide quantized value; ``g``: gradient of ``||y - y_float||^2``)."""
+    est = {n: 0.0 for n in names}
+    patches = {n: _Patch(wide, narrow, n) for n in names}
+    layers = {l.name: l for l in wide.layers()}
+    captured: Dict[str, List[torch.Tensor]] = {}
+    handles = []
+    for n in names:
+        mod = layers[n].module
+        if mod is None:
+            continue
+
+        def pre(m, args, n=n):
+            captured[n] = list(args)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+    params = [p for p in wide.parameters()]
+    req = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    was = wide.training
+    wide.eval()
+    try:
+        for s, fo in zip(samples, float_outs):
+            captured.clear()
+            wide.zero_grad(set_to_none=True)
+            xs = [t.to(wide.device) for t in s]
+            xs = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in xs]
+            y = wide(*xs)
+            ys = list(y) if isinstance(y, (tuple, list)) else [y]
+            sel = ys if output_index is None else [ys[output_index]]
+            loss = sum(((o.float() - torch.from_numpy(f).to(o.device)) ** 2).sum() for o, f in zip(sel, fo))
+            acts = {n: dict(patches[n].acts) for n in names}
+            ins = {n: [(i, a) for i, a in enumerate(captured.get(n, []))
+                       if isinstance(a, torch.Tensor) and a.requires_grad and i in acts[n]] for n in names}
+            flat = [t for n in names for _, t in ins[n]]
+            grads = torch.autograd.grad(loss, flat, retain_graph=True, allow_unused=True) if flat else []
+            loss.backward()
+            gi = iter(grads)
+            for n in names:
+                total = 0.0
+                for i, t in ins[n]:
+                    g = next(gi)
+                    if g is None:
+                        continue
+                    with torch.no_grad():
+                        total += float((g * (acts[n][i](t) - t)).sum())
+                lw, wq = layers[n].weight, layers[n].weight_quantizer
+                nq = {l.name: l for l in narrow.layers()}[n].weight_quantizer
+                if lw is not None and lw.grad is not None and wq is not None and nq is not None:
+                    with torch.no_grad():
+                        total += float((lw.grad * (nq.quantize_dequantize(lw.float()) -
+                                                   wq.quantize_dequantize(lw.float()))).sum())
+                est[n] += total ** 2
+    finally:
+        for h in handles:
+            h.remove()
+        for p, r in zip(params, req):
+            p.requires_grad_(r)
+            p.grad = None
+        wide.train(was)
+    return est
+
+
+def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric: Union[str, Callable] = "l2",
+                evaluate_function: Optional[Callable] = None, output_index: Optional[int] = 0,
+                target_op_type: Sequence[str] = DEFAULT_TARGET_OPS, gradient: bool = True, progress: bool = True,
+                calib_data: Any = None, dual_quant_nodes: bool = False, _builder=None) -> SensitivityReport:
+    """Per-layer sensitivity of a prepared, calibrated (wide) model to switching each layer alone to a narrower
+    format.
+
+    Args:
+        qm: the wide model (:func:`qtorch_onnx.prepare` + :func:`qtorch_onnx.calibrate`); not modified.
+        data: evaluation data (any form :func:`qtorch_onnx.calibrate` accepts); also the calibration data of
+            the candidate quantizers unless ``calib_data`` is given.
+        candidates: narrow formats: a format name (``"INT8"``, ``"BFP16"``), a Format, or an
+            ``(activation, weight)`` pair of them.
+        metric / evaluate_function: see the module docstring. output_index: which model output (None: all).
+        target_op_type: the op types of the layers considered.
+        gradient: also compute the one-backward-pass estimate and its Spearman agreement.
+
+    Returns:
+        A :class:`SensitivityReport`.
+
+    Raises:
+        ConfigError: an unknown metric or format, an OutputIndex out of range, TargetOpType matching no layer.
+        DataError: empty data.
+    """
+    t0 = time.perf_counter()
+    name, fn = resolve_metric(metric, evaluate_function)
+    samples = _data.to_samples(data, qm.input_specs, what="sensitivity data")
+    calib = _data.to_samples(calib_data, qm.input_specs) if calib_data is not None else samples
+    cands = [_as_candidate(c) for c in candidates]
+    names = [l.name for l in qm.layers(tuple(target_op_type)) if l.weight_quantizer is not None or l.input_quantizers]
+    if not names:
+        ops = sorted({l.op_type for l in qm.layers() if l.weight_quantizer is not None or l.input_quantizers})
+        raise ConfigError(f"AutoMixprecision TargetOpType {list(target_op_type)} matches no quantized layer; the "
+                          f"model's quantized layers are {ops}")
+    from ..training import fake_quant_disabled
+
+    with fake_quant_disabled(qm):
+        float_outs = run_outputs(qm, samples, output_index)
+    base = fn(float_outs, run_outputs(qm, samples, output_index))
+    builder = _builder
+    if builder is None:
+        builder = _Builder(qm.onnx_model, qm.config, calib, qm.device, progress)
+    report = SensitivityReport(metric=name, baseline=base, layers=[], candidates=[_candidate_name(c) for c in cands])
+    layer_by = {l.name: l for l in qm.layers()}
+    for n in names:
+        ls = LayerSensitivity(n, layer_by[n].op_type)
+        w = layer_by[n].weight
+        wq = layer_by[n].weight_quantizer
+        ls.weight_bytes["wide"] = w.numel() * _bits(wq.fmt) / 8 if w is not None and wq is not None else 0.0
+        report.layers.append(ls)
+    from tqdm.auto import tqdm
+
+    passes = 2
+    for c in cands:
+        cname = _candidate_name(c)
+        narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
+        for ls in tqdm(report.layers, desc=f"sensitivity {cname}", disable=not progress, leave=False):
+            with _Patch(qm, narrow, ls.name):
+                ls.measured[cname] = fn(float_outs, run_outputs(qm, samples, output_index))
+            passes += 1
+            w = layer_by[ls.name].weight
+            ls.weight_bytes[cname] = w.numel() * _bits(c[1]) / 8 if w is not None else 0.0
+        if gradient:
+            est = _gradient_estimate(qm, narrow, names, samples, float_outs, output_index)
+            for ls in report.layers:
+                ls.estimated[cname] = est[ls.name]
+            report.spearman[cname] = _spearman([l.measured[cname] for l in report.layers],
+                                               [l.estimated[cname] for l in report.layers])
+            passes += 1
+    report.forward_passes = passes
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ search
+@dataclass
+class AutoMixedPrecisionResult:
+    """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
+    ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
+    model builds (each: place, calibrate, evaluate) and the time."""
+
+    plan: MixedPrecisionPlan
+    sensitivity: SensitivityReport
+    evaluated: List[Tuple[int, float, float]]
+    wide_value: float
+    narrow_value: Optional[float]
+    builds: int
+    seconds: float
+    message: str = ""
+
+    def save(self, folder: str) -> Dict[str, str]:
+        """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
+        ``plan.json``, and the plots ``sensitivity.png`` and ``accuracy_vs_size.png``."""
+        os.makedirs(folder, exist_ok=True)
+        cname = self.sensitivity.candidates[0]
+        chosen = set(self.plan.promoted_nodes)
+        layers = []
+        for l in self.sensitivity.layers:
+            layers.append({"name": l.name, "op_type": l.op_type, "sensitivity": l.measured,
+                           "gradient_estimate": l.estimated, "chosen": cname if l.name in chosen else "wide",
+                           "weight_bytes": l.weight_bytes[cname if l.name in chosen else "wide"]})
+        doc = {"metric": self.sensitivity.metric, "target": self.plan.target, "value": self.plan.value,
+               "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
+               "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
+               "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
+               "seconds": self.seconds, "message": self.message, "layers": layers}
+        paths = {"json": os.path.join(folder, "auto_mp.json"), "plan": os.path.join(folder, "plan.json"),
+                 "sensitivity": os.path.join(folder, "sensitivity.png"),
+                 "pareto": os.path.join(folder, "accuracy_vs_size.png")}
+        with open(paths["json"], "w") as f:
+            json.dump(doc, f, indent=2, default=float)
+        self.plan.save(paths["plan"])
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ordered = sorted(self.sensitivity.layers, key=lambda l: l.measured[cname])
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(ordered) + 2), 4.0))
+        xs = range(len(ordered))
+        ax.bar(xs, [l.measured[cname] for l in ordered],
+               color=["tab:green" if l.name in chosen else "tab:gray" for l in ordered])
+        ax.axhline(self.sensitivity.baseline, color="k", lw=0.8, ls="--", label="all wide")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([l.name for l in ordered], rotation=90, fontsize=6)
+        ax.set_ylabel(f"{self.sensitivity.metric} with the layer alone in {cname}")
+        ax.set_title("per-layer sensitivity, sorted (green: chosen narrow)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(paths["sensitivity"], dpi=110)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        pts = sorted(self.evaluated)
+        ax.plot([p[2] / 1e6 for p in pts], [p[1] for p in pts], "o-", label="evaluated mixes")
+        k = len(chosen)
+        mine = [p for p in pts if p[0] == k]
+        if mine:
+            ax.plot([mine[0][2] / 1e6], [mine[0][1]], "r*", ms=14, label=f"chosen ({k} narrow)")
+        if self.plan.target is not None:
+            ax.axhline(self.plan.target, color="r", lw=0.8, ls="--", label="target")
+        ax.set_xlabel("weight size (MB)")
+        ax.set_ylabel(self.sensitivity.metric)
+        ax.set_title("accuracy vs model size")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(paths["pareto"], dpi=110)
+        plt.close(fig)
+        return paths
+
+
+def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any = "INT8", target: float,
+                         metric: Union[str, Callable] = "l2", evaluate_function: Optional[Callable] = None,
+                         output_index: Optional[int] = 0, target_op_type: Sequence[str] = DEFAULT_TARGET_OPS,
+                         dual_quant_nodes: bool = False, eval_data: Any = None, device=None, progress: bool = True,
+                         report_dir: Optional[str] = None, search: str = "bisect"):
+    """Find the largest set of layers that can take the narrow format while ``metric <= target`` holds.
+
+    Args:
+        model: ONNX model (path or ModelProto; never modified).
+        data: calibration data (and evaluation data unless ``eval_data``).
+        wide: the wide configuration (named config, Quark Config/QuantizationConfig or ResolvedConfig).
+        narrow: the narrow format(s): a name / Format, or an ``(activation, weight)`` pair (Quark's
+            ActTargetQuantType / WeightTargetQuantType).
+        target: the largest acceptable metric value (an L2 distance, or for ``metric="top1"`` the largest
+            accuracy drop from the float model).
+        metric, evaluate_function, output_index, target_op_type, dual_quant_nodes: as :func:`sensitivity`.
+        search: ``"bisect"`` (O(log L) full evaluations over the sorted layers) or ``"exhaustive"`` (every
+            prefix of the sorted layers evaluated; the largest meeting the target wins: O(L), for checking).
+
+    Returns:
+        ``(plan, qm, result)``: the :class:`MixedPrecisionPlan`, the calibrated mixed model (ready to export),
+        and the :class:`AutoMixedPrecisionResult`. When even all-wide misses the target, the all-wide model
+        is returned (a warning says so, with the all-wide value); when all-narrow meets it, all-narrow.
+
+    Raises:
+        ConfigError: a narrow format that is not narrower than the wide one, an unknown metric, an OutputIndex
+            out of range, no matching layer, an EvaluateFunction that raises or returns a non-number.
+    """
+    import warnings
+
+    from ..quantizer import resolve
+
+    t0 = time.perf_counter()
+    if search not in ("bisect", "exhaustive"):
+        raise ConfigError(f"auto_mixed_precision: search {search!r}; valid: 'bisect', 'exhaustive'")
+    if not isinstance(target, (int, float)) or isinstance(target, bool) or not math.isfinite(target):
+        raise ConfigError(f"auto_mixed_precision: target must be a finite number, got {target!r}")
+    cfg = resolve(wide)
+    act_n, w_n = _as_candidate(narrow)
+    for kind, wide_f, narrow_f in (("activation", cfg.activation, act_n), ("weight", cfg.weight, w_n)):
+        if _bits(narrow_f) > _bits(wide_f):
+            raise ConfigError(f"AutoMixprecision target type {narrow_f.name} for {kind}s is wider than the wide "
+                              f"{kind} type {wide_f.name}: the target must be the narrower format")
+    if act_n == cfg.activation and w_n == cfg.weight:
+        raise ConfigError(f"AutoMixprecision target types ({act_n.name}, {w_n.name}) equal the wide types: "
+                          "nothing to switch")
+    mname, fn = resolve_metric(metric, evaluate_function)
+    from ..lift import load_model
+
+    proto = load_model(model)
+    from ..data import input_specs
+
+    specs = input_specs(proto)
+    calib = _data.to_samples(data, specs)
+    evals = _data.to_samples(eval_data, specs) if eval_data is not None else calib
+    builder = _Builder(proto, cfg, calib, device, progress)
+    qm_wide = builder.wide()
+    sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
+                       output_index=output_index, target_op_type=target_op_type, progress=progress,
+                       dual_quant_nodes=dual_quant_nodes, _builder=builder)
+    order = sens.order()
+    from ..training import fake_quant_disabled
+
+    with fake_quant_disabled(qm_wide):
+        float_outs = run_outputs(qm_wide, evals, output_index)
+    layer_bytes = {l.name: l.weight_bytes for l in sens.layers}
+    cname = sens.candidates[0]
+
+    def size(k: int) -> float:
+        return sum(layer_bytes[n][cname] if i < k else layer_bytes[n]["wide"] for i, n in enumerate(order))
+
+    evaluated: List[Tuple[int, float, float]] = []
+    cache: Dict[int, Tuple[float, Any]] = {}
+
+    def probe(k: int):
+        if k not in cache:
+            qm_k = qm_wide if k == 0 else builder.promoted(order[:k], act_n, w_n, target_op_type, dual_quant_nodes)
+            v = fn(float_outs, run_outputs(qm_k, evals, output_index))
+            cache[k] = (v, qm_k)
+            evaluated.append((k, v, size(k)))
+        return cache[k]
+
+    n = len(order)
+    wide_v, _ = probe(0)
+    message = ""
+    if wide_v > target:
+        k = 0
+        message = (f"the target {mname} <= {target:g} cannot be met even with every layer wide ({mname} = "
+                   f"{wide_v:.6g}): returning the all-wide model")
+        warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
+        narrow_v = None
+    else:
+        narrow_v, _ = probe(n)
+        if narrow_v <= target:
+            k = n
+            message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g})"
+        elif search == "exhaustive":
+            k = max(j for j in range(n + 1) if probe(j)[0] <= target)
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; exhaustive)"
+        else:
+            lo, hi = 0, n
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if probe(mid)[0] <= target:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
+                      f"{cache[k + 1][0]:.6g})"
+    value, qm = cache[k]
+    plan = MixedPrecisionPlan(promoted_nodes=list(order[:k]), act_format=act_n, weight_format=w_n,
+                              dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type), metric=mname,
+                              value=value, target=target)
+    if k > 0:
+        qm.config = plan.apply(cfg)
+    result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
+                                      narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
+                                      message=message)
+    qm.auto_mp_result = result
+    if report_dir is not None:
+        result.save(report_dir)
+    return plan, qm, result

@@ -1,0 +1,164 @@
+"""Sensitivity analysis and automatic mixed precision (issue 13) on small models."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qtorch_onnx as qo
+from qtorch_onnx.algorithms import MixedPrecisionPlan, auto_mixed_precision, sensitivity
+from qtorch_onnx.algorithms.mixed_precision import resolve_metric, run_outputs
+from qtorch_onnx.data import to_samples
+from qtorch_onnx.runtime import check_parity
+
+from ..quant.small_models import calib_data, cnn, token_block, token_data
+
+
+def _wide(config="A16W8", model=None, data=None):
+    qm = qo.prepare(model if model is not None else cnn(), config)
+    qo.calibrate(qm, data if data is not None else calib_data(8), progress=False)
+    return qm
+
+
+def _bit_exact(qm, data):
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rep = check_parity(qm, exported, qmap, to_samples(data, qm.input_specs), opt_levels=("ORT_DISABLE_ALL",))
+    assert not [n for n in rep.nodes if not n.exact]
+    return exported
+
+
+def test_sensitivity_per_layer_and_candidate():
+    qm = _wide()
+    rep = sensitivity(qm, calib_data(8), ["INT8", ("INT8", "INT4")], progress=False)
+    assert [l.name for l in rep.layers] == ["conv1", "conv2", "conv3", "fc"]
+    assert rep.candidates == ["INT8", "INT8/INT4"]
+    for l in rep.layers:
+        assert set(l.measured) == {"INT8", "INT8/INT4"} and all(np.isfinite(v) for v in l.measured.values())
+        assert l.measured["INT8/INT4"] >= l.measured["INT8"] * 0.9  # 4-bit weights cost more
+        assert l.weight_bytes["INT8/INT4"] == l.weight_bytes["wide"] / 2
+    assert set(rep.spearman) == {"INT8", "INT8/INT4"}
+    assert rep.forward_passes == 2 + 2 * (4 + 1)
+    # the wide model is left as it was
+    before = run_outputs(qm, to_samples(calib_data(4), qm.input_specs), 0)
+    sensitivity(qm, calib_data(4), ["INT8"], progress=False, gradient=False)
+    after = run_outputs(qm, to_samples(calib_data(4), qm.input_specs), 0)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(before, after))
+
+
+def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
+    _, fn = resolve_metric("l2")
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+                                         progress=False, search="exhaustive")
+    wide_v, narrow_v = res_all.wide_value, res_all.narrow_value
+    assert narrow_v > wide_v
+    for frac in (0.25, 0.6):
+        target = wide_v + frac * (narrow_v - wide_v)
+        plans = {}
+        for search in ("bisect", "exhaustive"):
+            plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"),
+                                                 target=target, progress=False, search=search,
+                                                 report_dir=str(tmp_path / f"{search}{frac}"))
+            assert res.plan.value <= target
+            # the target really holds on the evaluation data, for the returned model
+            s = to_samples(calib_data(8), qm.input_specs)
+            with qo.fake_quant_disabled(qm):
+                f = run_outputs(qm, s, 0)
+            assert fn(f, run_outputs(qm, s, 0)) <= target
+            plans[search] = plan.promoted_nodes
+            assert 0 < len(plan.promoted_nodes) < 4
+        assert plans["bisect"] == plans["exhaustive"]
+    assert res.builds <= 2 + 4 + 1
+    for f in ("auto_mp.json", "plan.json", "sensitivity.png", "accuracy_vs_size.png"):
+        assert (tmp_path / f"bisect0.6" / f).stat().st_size > 100
+
+
+def test_plan_is_reusable_and_exports_bit_exact(tmp_path):
+    target = 0.0
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow="INT8", target=1.0,
+                                         progress=False)
+    assert len(plan.promoted_nodes) == 4
+    _bit_exact(qm, calib_data(3, seed=4))
+    plan.save(str(tmp_path / "plan.json"))
+    again = MixedPrecisionPlan.load(str(tmp_path / "plan.json"))
+    assert again.promoted_nodes == plan.promoted_nodes and again.act_format == plan.act_format
+    from qtorch_onnx.quantizer import resolve
+
+    qm2 = qo.prepare(cnn(), again.apply(resolve("A16W8")))
+    qo.calibrate(qm2, calib_data(8), progress=False)
+    assert {k: f.fmt for k, f in qm2.quantizers().items()} == {k: f.fmt for k, f in qm.quantizers().items()}
+    assert again.tensor_precision(qm2)["INT8"]
+    with pytest.raises(qo.ConfigError, match="not a mixed-precision plan"):
+        (tmp_path / "bad.json").write_text("{}")
+        MixedPrecisionPlan.load(str(tmp_path / "bad.json"))
+    del target
+
+
+@pytest.mark.parametrize("narrow", ["BFP16", "MXINT8"])
+@pytest.mark.parametrize("dual", [False, True])
+def test_bf16_to_block_formats_export_bit_exact(narrow, dual):
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="BF16", narrow=narrow, target=0.01,
+                                         dual_quant_nodes=dual, progress=False)
+    assert plan.promoted_nodes
+    fmts = {f.fmt.name for f in qm.quantizers().values()}
+    assert narrow in fmts and "BF16" in fmts
+    if dual:
+        assert any(f.chained for f in qm.quantizers().values())
+    _bit_exact(qm, calib_data(3, seed=4))
+
+
+def _seed_config(**amp):
+    return qo.Config(global_quant_config=qo.QuantizationConfig(
+        calibrate_method=qo.CalibrationMethod.MinMax, quant_format=qo.ExtendedQuantFormat.QDQ,
+        activation_type=qo.ExtendedQuantType.QInt16, weight_type=qo.QuantType.QInt8, include_auto_mp=True,
+        extra_options={"AutoMixprecision": amp}))
+
+
+def test_seed_snippets_l2_and_top1(tmp_path):
+    q = qo.ModelQuantizer(_seed_config(TargetOpType=["Conv", "ConvTranspose", "Gemm", "MatMul"],
+                                       ActTargetQuantType=qo.QuantType.QInt8, WeightTargetQuantType=qo.QuantType.QInt8,
+                                       OutputIndex=0, L2Target=0.1))
+    q.quantize_model(cnn(), str(tmp_path / "l2.onnx"), calib_data(8))
+    assert (tmp_path / "l2.onnx").exists() and len(q.mixed_precision_plan.promoted_nodes) == 4
+
+    def top1_acc(outputs):  # Quark's form: a list over samples of lists of output arrays
+        return float(np.mean([int(np.argmax(o[0])) == 3 for o in outputs]))
+
+    q = qo.ModelQuantizer(_seed_config(ActTargetQuantType=qo.QuantType.QInt8, WeightTargetQuantType=qo.QuantType.QInt8,
+                                       OutputIndex=0, Top1AccTarget=0.1, EvaluateFunction=top1_acc))
+    q.quantize_model(cnn(), str(tmp_path / "top1.onnx"), calib_data(8))
+    assert q.quantized_model.auto_mp_result.sensitivity.metric == "top1"
+
+
+def test_transformer_matmuls():
+    plan, qm, res = auto_mixed_precision(token_block(), token_data(8), wide="A16W8", narrow="INT8", target=1e9,
+                                         progress=False)
+    assert set(plan.promoted_nodes) == {"attn_scores", "attn_context", "fc1", "fc2"}
+    _bit_exact(qm, token_data(3, seed=2))
+
+
+def test_bad_inputs_are_named():
+    with pytest.warns(UserWarning, match="cannot be met even with every layer wide"):
+        plan, qm, res = auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.0,
+                                             progress=False)
+    assert plan.promoted_nodes == [] and all(f.fmt.name != "INT8" or f.role != "activation"
+                                             for f in qm.quantizers().values())
+
+    def raises(outputs):
+        raise RuntimeError("boom")
+
+    with pytest.raises(qo.ConfigError, match="EvaluateFunction 'raises' raised RuntimeError: boom"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="top1",
+                             evaluate_function=raises, progress=False)
+    with pytest.raises(qo.ConfigError, match="must return a finite number.*'high'"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="top1",
+                             evaluate_function=lambda o: "high", progress=False)
+    with pytest.raises(qo.ConfigError, match="OutputIndex 3 is out of range"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, output_index=3,
+                             progress=False)
+    with pytest.raises(qo.ConfigError, match="wider than the wide"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A8W8", narrow="INT16", target=0.1, progress=False)
+    with pytest.raises(qo.ConfigError, match="TargetOpType"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1,
+                             target_op_type=("LSTM",), progress=False)
+    with pytest.raises(qo.ConfigError, match="unknown metric"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="l3",
+                             progress=False)
