@@ -31,16 +31,48 @@ def _quantize(args: argparse.Namespace) -> int:
                  for _ in range(args.random_calib)]
     else:
         calib = None
-    qm = prepare(proto, args.config, device=args.device)
-    needs = any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation")
-    if needs:
-        if calib is None:
-            print(f"error: config {args.config} calibrates activations: give --calib-data DIR or --random-calib N",
-                  file=sys.stderr)
-            return 2
-        calibrate(qm, calib, batch_size=args.batch_size, progress=not args.quiet)
+    config = args.config
+    if args.auto_mp_plan:  # a saved mixed-precision plan: no new search
+        from .algorithms import MixedPrecisionPlan
+        from .quantizer import resolve
+
+        config = MixedPrecisionPlan.load(args.auto_mp_plan).apply(resolve(args.config))
+    if (args.auto_mp_target is not None or args.fast_ft) and calib is None:
+        print("error: --auto-mp-target and --fast-ft need data: give --calib-data DIR or --random-calib N",
+              file=sys.stderr)
+        return 2
+    if args.auto_mp_target is not None:
+        from .algorithms import auto_mixed_precision
+
+        narrow = tuple(args.auto_mp_narrow.split("/")) if "/" in args.auto_mp_narrow else args.auto_mp_narrow
+        plan, qm, result = auto_mixed_precision(
+            proto, calib, wide=args.config, narrow=narrow, target=args.auto_mp_target, metric=args.auto_mp_metric,
+            dual_quant_nodes=args.auto_mp_dual, eval_data=args.eval_data, device=args.device,
+            progress=not args.quiet, report_dir=args.report)
+        print(f"automatic mixed precision: {result.message}; {result.builds} model builds, "
+              f"{result.sensitivity.forward_passes} sensitivity passes, {result.seconds:.1f} s")
+        if args.auto_mp_plan_out:
+            plan.save(args.auto_mp_plan_out)
+            print(f"wrote the plan to {args.auto_mp_plan_out} (reuse: --auto-mp-plan)")
     else:
-        qm.set_mode("quantize")
+        qm = prepare(proto, config, device=args.device)
+        needs = any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation")
+        if needs:
+            if calib is None:
+                print(f"error: config {args.config} calibrates activations: give --calib-data DIR or "
+                      "--random-calib N", file=sys.stderr)
+                return 2
+            calibrate(qm, calib, batch_size=args.batch_size, progress=not args.quiet)
+        else:
+            qm.set_mode("quantize")
+    if args.fast_ft:
+        from .algorithms import fast_finetune
+
+        kw = {"num_iterations": args.ft_iterations} if args.ft_iterations else {}
+        fast_finetune(qm, calib, algorithm=args.fast_ft, progress=not args.quiet, report_dir=args.report, **kw)
+        rep = qm.finetune_report
+        print(f"fast finetune ({rep.algorithm}): {len(rep.layers)} layers, loss "
+              f"{sum(r.loss_before for r in rep.layers):.4g} -> {sum(r.loss_after for r in rep.layers):.4g}")
     t_exp = time.perf_counter()
     export(qm, args.output)
     qm.stage_times["export"] = time.perf_counter() - t_exp
@@ -94,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default=None, help="torch device for calibration (cpu, cuda, cuda:1)")
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--quiet", action="store_true", help="no progress bars")
+    q.add_argument("--fast-ft", choices=("adaround", "adaquant"), help="fast finetune after calibration")
+    q.add_argument("--ft-iterations", type=int, default=None, help="fast finetune NumIterations (default 1000)")
+    q.add_argument("--auto-mp-target", type=float, default=None, metavar="X",
+                   help="automatic mixed precision: largest metric value allowed (--config is the wide config)")
+    q.add_argument("--auto-mp-narrow", default="INT8", metavar="FMT[/WFMT]",
+                   help="narrow format(s) of insensitive layers (activation[/weight]; default INT8)")
+    q.add_argument("--auto-mp-metric", default="l2", choices=("l2", "cosine", "sqnr", "kl"))
+    q.add_argument("--auto-mp-dual", action="store_true", help="DualQuantNodes at precision boundaries")
+    q.add_argument("--auto-mp-plan-out", metavar="FILE", help="write the chosen plan (JSON)")
+    q.add_argument("--auto-mp-plan", metavar="FILE", help="apply a saved plan (no search)")
+    q.add_argument("--report", metavar="DIR", help="write JSON reports and PNG plots here")
     q.set_defaults(func=_quantize)
     e = sub.add_parser("evaluate", help="compare float and quantized inference results (NPY, PNG, JPG)")
     e.add_argument("--baseline_results_folder", "--baseline-results-folder", required=True)
