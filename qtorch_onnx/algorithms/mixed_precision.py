@@ -426,8 +426,10 @@ def _spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
 
 
 def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -> Dict[str, float]:
-    """First-order estimate per layer: ``sum_samples (sum g*delta)^2`` over the layer's activation inputs and
-    weight (``delta``: narrow minus wide quantized value; ``g``: gradient of ``||y - y_float||^2``)."""
+    """First-order estimate per layer of the squared output change ``||J delta||^2``: ``sum_samples (g . delta)^2``
+    over the layer's activation inputs and weight (``delta``: narrow minus wide quantized value; ``g``: the
+    gradient of ``v . y`` for a random Gaussian ``v``, an unbiased Hutchinson estimate of ``||J delta||^2``;
+    one backward pass per sample for all layers)."""
     est = {n: 0.0 for n in names}
     patches = {n: _Patch(wide, narrow, n) for n in names}
     layers = {l.name: l for l in wide.layers()}
@@ -457,7 +459,10 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
             y = wide(*xs)
             ys = list(y) if isinstance(y, (tuple, list)) else [y]
             sel = ys if output_index is None else [ys[output_index]]
-            loss = sum(((o.float() - torch.from_numpy(f).to(o.device)) ** 2).sum() for o, f in zip(sel, fo))
+            # Hutchinson-style projection: with v ~ N(0, I), E[(v.J delta)^2] = ||J delta||^2, the squared output
+            # change the candidate causes to first order (the distance to the float output moves by about that)
+            gen = torch.Generator().manual_seed(len(est) + int(sum(int(t.numel()) for t in xs)))
+            loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in sel)
             acts = {n: dict(patches[n].acts) for n in names}
             ins = {n: [(i, a) for i, a in enumerate(captured.get(n, []))
                        if isinstance(a, torch.Tensor) and a.requires_grad and i in acts[n]] for n in names}
