@@ -645,11 +645,12 @@ class AutoMixedPrecisionResult:
         return paths
 
 
-def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any = "INT8", target: float,
+def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any = "INT8", target: Optional[float] = None,
                          metric: Union[str, Callable] = "l2", evaluate_function: Optional[Callable] = None,
                          output_index: Optional[int] = 0, target_op_type: Sequence[str] = DEFAULT_TARGET_OPS,
                          dual_quant_nodes: bool = False, eval_data: Any = None, device=None, progress: bool = True,
-                         report_dir: Optional[str] = None, search: str = "bisect"):
+                         report_dir: Optional[str] = None, search: str = "bisect",
+                         budget_bytes: Optional[float] = None, pareto_points: int = 0):
     """Find the largest set of layers that can take the narrow format while ``metric <= target`` holds.
 
     Args:
@@ -663,6 +664,10 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         metric, evaluate_function, output_index, target_op_type, dual_quant_nodes: as :func:`sensitivity`.
         search: ``"bisect"`` (O(log L) full evaluations over the sorted layers) or ``"exhaustive"`` (every
             prefix of the sorted layers evaluated; the largest meeting the target wins: O(L), for checking).
+        budget_bytes: instead of ``target``: the weight-size budget in bytes; the fewest least-sensitive layers
+            whose narrowing brings the weights within it go narrow (one evaluation). ``target`` and
+            ``budget_bytes`` may not both be given.
+        pareto_points: also evaluate this many evenly spaced mixes (accuracy vs size, in the report and plot).
 
     Returns:
         ``(plan, qm, result)``: the :class:`MixedPrecisionPlan`, the calibrated mixed model (ready to export),
@@ -680,7 +685,10 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     t0 = time.perf_counter()
     if search not in ("bisect", "exhaustive"):
         raise ConfigError(f"auto_mixed_precision: search {search!r}; valid: 'bisect', 'exhaustive'")
-    if not isinstance(target, (int, float)) or isinstance(target, bool) or not math.isfinite(target):
+    if (target is None) == (budget_bytes is None):
+        raise ConfigError("auto_mixed_precision: give exactly one of target (a metric bound) and budget_bytes")
+    if target is not None and (not isinstance(target, (int, float)) or isinstance(target, bool)
+                               or not math.isfinite(target)):
         raise ConfigError(f"auto_mixed_precision: target must be a finite number, got {target!r}")
     cfg = resolve(wide)
     act_n, w_n = _as_candidate(narrow)
@@ -730,7 +738,19 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     n = len(order)
     wide_v, _ = probe(0)
     message = ""
-    if wide_v > target:
+    narrow_v = None
+    if budget_bytes is not None:
+        fits = [j for j in range(n + 1) if size(j) <= budget_bytes]
+        if not fits:
+            k = n
+            message = (f"the budget {budget_bytes:.0f} B cannot be met even with every layer narrow "
+                       f"({size(n):.0f} B): returning the all-narrow model")
+            warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
+        else:
+            k = fits[0]
+            message = f"{k} of {n} layers narrow for {size(k):.0f} B <= {budget_bytes:.0f} B"
+        probe(k)
+    elif wide_v > target:
         k = 0
         message = (f"the target {mname} <= {target:g} cannot be met even with every layer wide ({mname} = "
                    f"{wide_v:.6g}): returning the all-wide model")
@@ -755,6 +775,8 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             k = lo
             message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
                       f"{cache[k + 1][0]:.6g})"
+    for j in sorted({round(i * n / (pareto_points - 1)) for i in range(pareto_points)} if pareto_points > 1 else ()):
+        probe(int(j))
     value, qm = cache[k]
     plan = MixedPrecisionPlan(promoted_nodes=list(order[:k]), act_format=act_n, weight_format=w_n,
                               dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type), metric=mname,

@@ -162,3 +162,20 @@ def test_bad_inputs_are_named():
     with pytest.raises(qo.ConfigError, match="unknown metric"):
         auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="l3",
                              progress=False)
+
+
+def test_budget_form_and_pareto_front(tmp_path):
+    _, _, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+                                     progress=False)
+    sizes = {l.name: l.weight_bytes for l in res.sensitivity.layers}
+    full = sum(v["wide"] for v in sizes.values())
+    budget = full - 0.5 * sizes["conv2"]["wide"]  # at least one layer must go to 4 bits
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"),
+                                         budget_bytes=budget, pareto_points=3, progress=False,
+                                         report_dir=str(tmp_path))
+    chosen = set(plan.promoted_nodes)
+    got = sum(v["INT8/INT4"] if n in chosen else v["wide"] for n, v in sizes.items())
+    assert 0 < len(chosen) and got <= budget
+    assert {k for k, _, _ in res.evaluated} >= {0, 2, 4}
+    with pytest.raises(qo.ConfigError, match="exactly one of target"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", progress=False)
