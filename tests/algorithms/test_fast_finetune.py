@@ -56,7 +56,7 @@ def test_adaround_lowers_every_layer_loss_and_exports_its_rounding(config):
 @pytest.mark.parametrize("config", ["A8W8", "BF16", "BFP16", "MX9", "MXINT8", "MXFP4E2M1", "MX9_INT8"])
 def test_adaquant_every_format_family(config):
     qm = _prepared(config)
-    fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=150, batch_size=4, learning_rate=1e-4,
+    fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=60, batch_size=4, learning_rate=1e-4,
                   selective_update=True, update_bias=True, progress=False)
     rep = qm.finetune_report
     assert rep.layers and any(r.kept and r.loss_after < r.loss_before for r in rep.layers), rep.layers
@@ -79,12 +79,12 @@ def test_same_seed_same_bytes_and_memory_levels_agree(tmp_path):
     outs = []
     for level in (0, 1, 2, 0):
         qm = _prepared("A8W8")
-        fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=60, batch_size=4, mem_opt_level=level,
+        fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=30, batch_size=4, mem_opt_level=level,
                       progress=False)
         outs.append(qo.export(qm, None).SerializeToString())
     assert outs[0] == outs[1] == outs[2] == outs[3]
     qm = _prepared("A8W8")
-    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=60, batch_size=4, fixed_seed=7,
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=30, batch_size=4, fixed_seed=7,
                   progress=False)
     assert qo.export(qm, None).SerializeToString() != outs[0]
 
@@ -188,7 +188,7 @@ def test_adaround_int4_weights_export_bit_exact(opset, weight_type, per_channel)
                                extra_options={"WeightSymmetric": weight_type == "QInt4"})
     qm = _prepared(qo.Config(global_quant_config=qc), cnn(opset=opset))
     assert qm.quantizers()["w2"].fmt.bits == 4
-    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=150, batch_size=4, progress=False)
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=80, batch_size=4, progress=False)
     assert sum(r.loss_after for r in qm.finetune_report.layers) < sum(r.loss_before for r in qm.finetune_report.layers)
     exported = _bit_exact(qm, calib_data(3, seed=9))
     int4 = onnx.TensorProto.INT4 if weight_type == "QInt4" else onnx.TensorProto.UINT4
