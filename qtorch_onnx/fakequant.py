@@ -383,13 +383,13 @@ class FakeQuantize(nn.Module):
         (this module's layout). A no-op for formats whose parameters need no range (BF16/FP16, BFP/MX)."""
         if not self.needs_calibration:
             return
-        v = value.detach().to(torch.float64)
+        v = value.detach()  # min / max are elements of the tensor: exact in its own dtype, widened after
         if self.axis is None:
             rmin, rmax = v.min(), v.max()
         else:
             dims = [d for d in range(v.dim()) if d != self.axis % v.dim()]
             rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
-        self.compute_qparams_from_range(rmin, rmax)
+        self.compute_qparams_from_range(rmin.to(torch.float64), rmax.to(torch.float64))
 
     def _effective_qparams(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero point) the forward uses: the learnable ones (differentiable) when learnable."""
