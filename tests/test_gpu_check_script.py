@@ -1,0 +1,33 @@
+"""benchmarks/gpu_check.sh parses, and its end-to-end script runs (on CPU here: no GPU in CI)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_script_syntax():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+
+
+def test_gpu_e2e_runs_on_cpu(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_e2e
+    finally:
+        sys.path.pop(0)
+    from tests.quant.small_models import cnn
+
+    model = tmp_path / "cnn.onnx"
+    onnx.save(cnn(), model)
+    rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "2",
+                       "--configs", "A8W8", "MX9", "--out", str(tmp_path / "out")])
+    rep = json.loads((tmp_path / "out" / "gpu_e2e.json").read_text())
+    assert rc == 0, rep
+    assert [r["config"] for r in rep["results"]] == ["A8W8", "MX9"]
+    assert all(r["checks"]["ort_nodes_bit_exact"] for r in rep["results"])
