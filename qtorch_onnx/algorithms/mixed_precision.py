@@ -129,6 +129,32 @@ def resolve_metric(metric: Union[str, Callable, None], evaluate_function: Option
     return metric, BUILTIN_METRICS[metric]
 
 
+def _append_outputs(out: Outputs, y, n: int, sizes: List[int], pos: int, output_index: Optional[int],
+                    split: bool) -> int:
+    """Append one batch's model output ``y`` to ``out`` as per-sample ``[output]`` numpy lists; returns the index
+    of the next sample.
+
+    Raises:
+        ConfigError: ``output_index`` beyond the model's outputs.
+    """
+    ys = list(y) if isinstance(y, (tuple, list)) else [y]
+    if output_index is not None and output_index >= len(ys):
+        raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
+                          f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
+    sel = ys if output_index is None else [ys[output_index]]
+    if split and n > sizes[pos]:  # split a concatenated batch back into the samples
+        start = 0
+        while start < n:
+            k = sizes[pos]
+            out.append([o[start:start + k].float().cpu().numpy() for o in sel])
+            start += k
+            pos += 1
+    else:
+        out.append([o.float().cpu().numpy() for o in sel])
+        pos += 1
+    return pos
+
+
 def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -> Outputs:
     """The model's outputs per sample (list over samples of ``[output]`` numpy arrays), in eval mode.
 
@@ -147,25 +173,136 @@ def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -
             pos = 0
             for batch in _data.batches(samples, specs, batch_size if dyn else 1):
                 y = qm(*(t.to(device) for t in batch))
-                ys = list(y) if isinstance(y, (tuple, list)) else [y]
-                if output_index is not None and output_index >= len(ys):
-                    raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
-                                      f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
-                sel = ys if output_index is None else [ys[output_index]]
-                n = int(batch[0].shape[0])
-                if dyn and n > sizes[pos]:  # split a concatenated batch back into the samples
-                    start = 0
-                    while start < n:
-                        k = sizes[pos]
-                        out.append([o[start:start + k].float().cpu().numpy() for o in sel])
-                        start += k
-                        pos += 1
-                else:
-                    out.append([o.float().cpu().numpy() for o in sel])
-                    pos += 1
+                pos = _append_outputs(out, y, int(batch[0].shape[0]), sizes, pos, output_index, dyn)
     finally:
         qm.train(was)
     return out
+
+
+def _ort_outputs(model, samples, output_index: Optional[int]) -> Outputs:
+    """Per-sample outputs of ONNX model ``model`` (a ModelProto) in ONNX Runtime on CPU (the project's operator
+    library registered when needed), in the form of :func:`run_outputs`."""
+    from ..runtime import session
+
+    sess = session(model)
+    names = [i.name for i in sess.get_inputs()]
+    out: Outputs = []
+    for sample in samples:
+        ys = sess.run(None, {nm: t.detach().cpu().numpy() for nm, t in zip(names, sample)})
+        if output_index is not None and output_index >= len(ys):
+            raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
+                              f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
+        out.append([np.asarray(y, np.float32) for y in (ys if output_index is None else [ys[output_index]])])
+    return out
+
+
+def _branch_point(gm, nodes: List[Any], const: Dict[Any, bool], patch: "_Patch") -> Tuple[int, List[int]]:
+    """Where ``patch`` first changes a result: ``(start, recompute)``, with ``start`` the index in ``nodes`` of the
+    first activation (non-constant) node whose value the patch can change (``len(nodes)`` if none) and
+    ``recompute`` the constant nodes before it (a swapped weight quantizer and what it feeds) to evaluate again.
+
+    A node is changed directly when it calls (or reads an attribute of) a module that is, or holds, a swapped
+    quantizer or the hooked layer module, and indirectly when one of its inputs is changed.
+    """
+    hit = {id(owner) for owner, _, _, _ in patch.swaps} | {id(old) for _, _, old, _ in patch.swaps}
+    if patch.acts and patch.layer.module is not None:
+        hit.add(id(patch.layer.module))
+    tainted = set()
+    for n in nodes:
+        mod = None
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+        elif n.op == "get_attr" and "." in str(n.target):
+            mod = gm.get_submodule(str(n.target).rsplit(".", 1)[0])
+        if (mod is not None and any(id(m) in hit for m in mod.modules())) \
+                or any(a in tainted for a in n.all_input_nodes):
+            tainted.add(n)
+    start = next((i for i, n in enumerate(nodes) if n in tainted and not const[n]), len(nodes))
+    return start, [i for i in range(start) if nodes[i] in tainted]
+
+
+def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str, "_Patch"], progress: bool,
+                     desc: str, batch_size: int = 8) -> Tuple[Dict[str, Outputs], float]:
+    """Outputs of ``qm`` with each patch applied alone, as :func:`run_outputs` gives them, bit for bit.
+
+    One sweep of the unpatched model per batch; where a patch's first affected node comes up, the rest of the
+    graph (the suffix) runs from the live values with the patch on. The shared prefix runs once instead of once
+    per layer: on a chain of L layers about half the node evaluations of L full passes. Returns the outputs per
+    patch name and the fraction of full-pass node evaluations actually executed.
+    """
+    from torch import fx
+    from tqdm.auto import tqdm
+
+    gm = qm.gm
+    nodes = list(gm.graph.nodes)
+    last_use: Dict[Any, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    const: Dict[Any, bool] = {}  # constant subtrees (no placeholder among the ancestors): weights, shapes
+    for n in nodes:
+        const[n] = n.op not in ("placeholder", "output") and all(const[a] for a in n.all_input_nodes)
+    starts: Dict[int, List[str]] = {}
+    recompute: Dict[str, List[int]] = {}
+    for name, patch in patches.items():
+        start, recompute[name] = _branch_point(gm, nodes, const, patch)
+        starts.setdefault(start, []).append(name)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    interp = fx.Interpreter(gm, garbage_collect_values=False)
+
+    def run(env: Dict[Any, Any], i: int):
+        n = nodes[i]
+        interp.env = env
+        return interp.run_node(n)
+
+    def suffix(env: Dict[Any, Any], i: int, again: List[int]):
+        local = dict(env)
+        for j in again:  # constants the patch changes (a swapped weight quantizer), evaluated again
+            local[nodes[j]] = run(local, j)
+        for j in range(i, len(nodes)):
+            n = nodes[j]
+            if n.op == "output":
+                return run(local, j), j - i + 1
+            local[n] = run(local, j)
+            for a in n.all_input_nodes:
+                if last_use[a] == j:
+                    local.pop(a, None)
+        raise ConfigError("the model graph has no output node")
+
+    specs = qm.input_specs
+    dyn = all(s.batch_dynamic for s in specs)
+    sizes = [int(s[0].shape[0]) for s in samples]
+    outs: Dict[str, Outputs] = {name: [] for name in patches}
+    pos: Dict[str, int] = {name: 0 for name in patches}
+    executed, full = 0, 0
+    was = qm.training
+    qm.eval()
+    batch_list = list(_data.batches(samples, specs, batch_size if dyn else 1))
+    bar = tqdm(total=len(batch_list) * len(patches), desc=desc, disable=not progress, leave=False)
+    try:
+        with torch.no_grad():
+            for batch in batch_list:
+                n_b = int(batch[0].shape[0])
+                env: Dict[Any, Any] = {ph: t.to(qm.device) for ph, t in zip(placeholders, batch)}
+                for i, n in enumerate(nodes):
+                    for name in starts.get(i, ()):
+                        with patches[name]:
+                            y, count = suffix(env, i, recompute[name])
+                        executed += count + len(recompute[name])
+                        full += len(nodes)
+                        pos[name] = _append_outputs(outs[name], y, n_b, sizes, pos[name], output_index, dyn)
+                        bar.update(1)
+                    if n.op == "output":
+                        break
+                    if n.op != "placeholder":
+                        env[n] = run(env, i)
+                    for a in n.all_input_nodes:
+                        if last_use[a] == i and not const[a]:  # constants stay: a suffix may evaluate again
+                            env.pop(a, None)
+    finally:
+        bar.close()
+        qm.train(was)
+    return outs, (executed / full if full else 0.0)
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -257,6 +394,7 @@ class _Builder:
         self.device = device
         self.progress = progress
         self.builds = 0
+        self._promoted: Dict[Any, Any] = {}
 
     def build(self, cfg):
         from ..placement import plan_quantization
@@ -278,10 +416,13 @@ class _Builder:
     def promoted(self, nodes, act_fmt, w_fmt, target_ops, dual):
         from ..config.internal import AutoMixprecisionSettings
 
-        amp = AutoMixprecisionSettings(target_op_type=tuple(target_ops), act_target_quant_type=act_fmt,
-                                       weight_target_quant_type=w_fmt, dual_quant_nodes=dual,
-                                       promoted_nodes=tuple(nodes))
-        return self.build(dataclasses.replace(self.cfg, auto_mixprecision=amp))
+        key = (frozenset(nodes), act_fmt, w_fmt, tuple(target_ops), dual)
+        if key not in self._promoted:  # the all-narrow model of the sensitivity pass is also the search's
+            amp = AutoMixprecisionSettings(target_op_type=tuple(target_ops), act_target_quant_type=act_fmt,
+                                           weight_target_quant_type=w_fmt, dual_quant_nodes=dual,
+                                           promoted_nodes=tuple(nodes))
+            self._promoted[key] = self.build(dataclasses.replace(self.cfg, auto_mixprecision=amp))
+        return self._promoted[key]
 
 
 # ------------------------------------------------------------------------------------------------ sensitivity
@@ -308,6 +449,7 @@ class SensitivityReport:
     candidates: List[str]
     spearman: Dict[str, Optional[float]] = field(default_factory=dict)
     forward_passes: int = 0
+    suffix_fraction: Dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def order(self, candidate: Optional[str] = None) -> List[str]:
@@ -551,12 +693,14 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
     for c in cands:
         cname = _candidate_name(c)
         narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
-        for ls in tqdm(report.layers, desc=f"sensitivity {cname}", disable=not progress, leave=False):
-            with _Patch(qm, narrow, ls.name):
-                ls.measured[cname] = fn(float_outs, run_outputs(qm, samples, output_index))
+        patches = {ls.name: _Patch(qm, narrow, ls.name) for ls in report.layers}
+        outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}")
+        for ls in report.layers:
+            ls.measured[cname] = fn(float_outs, outs[ls.name])
             passes += 1
             w = layer_by[ls.name].weight
             ls.weight_bytes[cname] = w.numel() * _bits(c[1]) / 8 if w is not None else 0.0
+        report.suffix_fraction[cname] = frac
         if gradient:
             est = _gradient_estimate(qm, narrow, names, samples, float_outs, output_index)
             for ls in report.layers:
@@ -574,7 +718,8 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
 class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
-    model builds (each: place, calibrate, evaluate) and the time."""
+    model builds (each: place, calibrate, evaluate), the time, and the ONNX Runtime checks of the choice
+    ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned mix)."""
 
     plan: MixedPrecisionPlan
     sensitivity: SensitivityReport
@@ -584,6 +729,7 @@ class AutoMixedPrecisionResult:
     builds: int
     seconds: float
     message: str = ""
+    verified: List[Tuple[int, float]] = field(default_factory=list)
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -600,7 +746,8 @@ class AutoMixedPrecisionResult:
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
-               "seconds": self.seconds, "message": self.message, "layers": layers}
+               "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
+               "sensitivity_suffix_fraction": self.sensitivity.suffix_fraction, "layers": layers}
         paths = {"json": os.path.join(folder, "auto_mp.json"), "plan": os.path.join(folder, "plan.json"),
                  "sensitivity": os.path.join(folder, "sensitivity.png"),
                  "pareto": os.path.join(folder, "accuracy_vs_size.png")}
@@ -650,7 +797,8 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                          output_index: Optional[int] = 0, target_op_type: Sequence[str] = DEFAULT_TARGET_OPS,
                          dual_quant_nodes: bool = False, eval_data: Any = None, device=None, progress: bool = True,
                          report_dir: Optional[str] = None, search: str = "bisect",
-                         budget_bytes: Optional[float] = None, pareto_points: int = 0):
+                         budget_bytes: Optional[float] = None, pareto_points: int = 0,
+                         verify: Optional[str] = "onnxruntime", gradient: bool = False):
     """Find the largest set of layers that can take the narrow format while ``metric <= target`` holds.
 
     Args:
@@ -668,6 +816,12 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             whose narrowing brings the weights within it go narrow (one evaluation). ``target`` and
             ``budget_bytes`` may not both be given.
         pareto_points: also evaluate this many evenly spaced mixes (accuracy vs size, in the report and plot).
+        gradient: also compute the sensitivity's one-backward-pass estimate and its Spearman agreement with
+            the measured ranking (reported; the search uses the measurement).
+        verify: ``"onnxruntime"`` (default): the chosen mix is exported and its metric measured again in ONNX
+            Runtime against the float model run in ONNX Runtime, on the evaluation data; while it misses the
+            target there, one layer fewer goes narrow (the quantizers are bit-exact in ONNX Runtime, the float
+            operators between them are not: near the target that difference decides). None: emulation only.
 
     Returns:
         ``(plan, qm, result)``: the :class:`MixedPrecisionPlan`, the calibrated mixed model (ready to export),
@@ -676,7 +830,8 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
 
     Raises:
         ConfigError: a narrow format that is not narrower than the wide one, an unknown metric, an OutputIndex
-            out of range, no matching layer, an EvaluateFunction that raises or returns a non-number.
+            out of range, no matching layer, an EvaluateFunction that raises or returns a non-number, an unknown
+            ``verify``.
     """
     import warnings
 
@@ -685,6 +840,8 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     t0 = time.perf_counter()
     if search not in ("bisect", "exhaustive"):
         raise ConfigError(f"auto_mixed_precision: search {search!r}; valid: 'bisect', 'exhaustive'")
+    if verify not in (None, "onnxruntime"):
+        raise ConfigError(f"auto_mixed_precision: verify {verify!r}; valid: 'onnxruntime', None")
     if (target is None) == (budget_bytes is None):
         raise ConfigError("auto_mixed_precision: give exactly one of target (a metric bound) and budget_bytes")
     if target is not None and (not isinstance(target, (int, float)) or isinstance(target, bool)
@@ -712,7 +869,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     qm_wide = builder.wide()
     sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
                        output_index=output_index, target_op_type=target_op_type, progress=progress,
-                       dual_quant_nodes=dual_quant_nodes, _builder=builder)
+                       dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder)
     order = sens.order()
     from ..training import fake_quant_disabled
 
@@ -766,6 +923,24 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; exhaustive)"
         else:
             lo, hi = 0, n
+            # the first probes where the single-layer sensitivities, added up, predict the boundary (and its
+            # neighbour): when the effects add up the bracket closes after two builds; when they do not, those
+            # builds still narrow it and bisection goes on (the result: k meets the target, k + 1 does not)
+            base = sens.baseline
+            by_name = {l.name: l.measured[cname] for l in sens.layers}
+            guess, acc = 0, wide_v
+            for j, name in enumerate(order[:-1]):
+                acc += max(0.0, by_name[name] - base)
+                if acc > target:
+                    break
+                guess = j + 1
+            guess = min(max(guess, 1), n - 1)
+            for cand in (guess, guess + 1 if probe(guess)[0] <= target else guess - 1):
+                if lo < cand < hi:
+                    if probe(cand)[0] <= target:
+                        lo = cand
+                    else:
+                        hi = cand
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if probe(mid)[0] <= target:
@@ -775,17 +950,45 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             k = lo
             message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
                       f"{cache[k + 1][0]:.6g})"
+    def plan_for(j: int) -> MixedPrecisionPlan:
+        return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
+                                  dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
+                                  metric=mname, value=cache[j][0], target=target)
+
+    verified: List[Tuple[int, float]] = []
+    if verify and budget_bytes is None and k > 0:
+        # the emulation's choice measured again where it is deployed; one layer fewer while it misses there
+        from ..export import export as _export
+
+        ort_ref = _ort_outputs(proto, evals, output_index)
+        while k > 0:
+            if cache[k][0] <= target:
+                qm_k = cache[k][1]
+                qm_k.config = plan_for(k).apply(cfg)
+                v_ort = fn(ort_ref, _ort_outputs(_export(qm_k, check=False), evals, output_index))
+                verified.append((k, v_ort))
+                if v_ort <= target:
+                    break
+            k -= 1
+            probe(k)
+        if not verified or verified[-1][1] > target:
+            message += (f"; in ONNX Runtime no mix with narrow layers meets the target (checked "
+                        f"{', '.join(f'{j} narrow: {v:.6g}' for j, v in verified)}): returning all-wide")
+            warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
+        elif len(verified) > 1:
+            message += (f"; in ONNX Runtime {verified[0][0]} narrow gave {verified[0][1]:.6g} > {target:g}, so "
+                        f"{k} narrow ({mname} = {verified[-1][1]:.6g} in ONNX Runtime)")
+        else:
+            message += f"; ONNX Runtime: {mname} = {verified[-1][1]:.6g}"
     for j in sorted({round(i * n / (pareto_points - 1)) for i in range(pareto_points)} if pareto_points > 1 else ()):
         probe(int(j))
     value, qm = cache[k]
-    plan = MixedPrecisionPlan(promoted_nodes=list(order[:k]), act_format=act_n, weight_format=w_n,
-                              dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type), metric=mname,
-                              value=value, target=target)
+    plan = plan_for(k)
     if k > 0:
         qm.config = plan.apply(cfg)
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
-                                      message=message)
+                                      message=message, verified=verified)
     qm.auto_mp_result = result
     if report_dir is not None:
         result.save(report_dir)

@@ -371,3 +371,37 @@ def test_lsq_gradient():
     g2 = torch.where((r2 >= -128) & (r2 <= 127), r2 - v2, r2.clamp(-128, 127))
     exp2 = torch.stack([g2[:, 0:3].sum(1), g2[:, 3:6].sum(1), g2[:, 6:8].sum(1)], 1) / math.sqrt(32 / 12 * 127)
     assert torch.allclose(s2.grad, exp2, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), fmt=st.sampled_from([INT8, UINT8, INT16, UINT16, IntFormat(4, True), IntFormat(4, False)]),
+       layout=st.sampled_from(["tensor", "channel", "block"]), narrow=st.booleans())
+def test_fused_fake_quantize_equals_reference_core(data, fmt, layout, narrow):
+    """The in-place fake-quantization path (no-grad forward and STE forward) gives the reference core's bits
+    and its gradient mask, for NaN, +-Inf, -0.0, saturating and subnormal inputs."""
+    shape = [2, 6, 3]
+    n = int(np.prod(shape))
+    special = st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e38, -1e38, 1e-45])
+    xs = data.draw(st.lists(st.one_of(any_f32, special), min_size=n, max_size=n))
+    x = torch.tensor(xs, dtype=torch.float32).reshape(shape)
+    axis, block = (None, None) if layout == "tensor" else (1, None if layout == "channel" else 4)
+    pshape = [] if layout == "tensor" else ([6] if layout == "channel" else [2, 2, 3])
+    m = int(np.prod(pshape)) if pshape else 1
+    s = torch.tensor(data.draw(st.lists(pos_scale, min_size=m, max_size=m)), dtype=torch.float32).reshape(pshape)
+    z = torch.tensor(data.draw(st.lists(st.integers(fmt.qmin, fmt.qmax), min_size=m, max_size=m))).reshape(pshape)
+    sb, zb = I._prepare(x, s, z, axis, block, "test")
+    c, t = I._quantize_core(x, sb, zb, fmt, narrow, False)
+    ref = (c - zb.to(c.dtype)).to(torch.float32) * sb
+    ref_mask = (c == t) | ~torch.isfinite(x)
+    y = I.fake_quantize(x, s, z, fmt, axis, block, narrow_range=narrow)
+    assert np.array_equal(y.numpy().view(np.uint32), ref.numpy().view(np.uint32))
+    y2, mask = I._fake_quantize_with_mask(x, s, z, fmt, axis, block, narrow, False, need_mask=True)
+    assert np.array_equal(y2.numpy().view(np.uint32), ref.numpy().view(np.uint32))
+    assert torch.equal(mask, ref_mask)
+    xg = x.clone().requires_grad_(True)
+    y3 = I.fake_quantize_ste(xg, s, z, fmt, axis, block, narrow_range=narrow)
+    assert np.array_equal(y3.detach().numpy().view(np.uint32), ref.numpy().view(np.uint32))
+    y3.backward(torch.ones_like(y3))
+    assert torch.equal(xg.grad, ref_mask.to(torch.float32))
+    x0 = torch.tensor(xs, dtype=torch.float32).reshape(shape)
+    assert np.array_equal(x.numpy().view(np.uint32), x0.numpy().view(np.uint32))  # the input is not mutated
