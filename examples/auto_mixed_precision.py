@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         report = os.path.join(args.out, f"native_{frac:.2f}")
         plan, qm, res = qo.auto_mixed_precision(input_model_path, calib, wide="A16W8", narrow="INT8", target=target,
-                                                progress=not args.quiet, report_dir=report)
+                                                progress=not args.quiet, report_dir=report, gradient=True)
         path = os.path.join(args.out, f"native_{frac:.2f}.onnx")
         qo.export(qm, path)
         measure(f"native L2<={target:.4f}", path, time.perf_counter() - t0, len(plan.promoted_nodes))

@@ -48,7 +48,8 @@ def _quantize(args: argparse.Namespace) -> int:
         plan, qm, result = auto_mixed_precision(
             proto, calib, wide=args.config, narrow=narrow, target=args.auto_mp_target, metric=args.auto_mp_metric,
             dual_quant_nodes=args.auto_mp_dual, eval_data=args.eval_data, device=args.device,
-            progress=not args.quiet, report_dir=args.report)
+            progress=not args.quiet, report_dir=args.report,
+            verify=None if args.auto_mp_no_verify else "onnxruntime")
         print(f"automatic mixed precision: {result.message}; {result.builds} model builds, "
               f"{result.sensitivity.forward_passes} sensitivity passes, {result.seconds:.1f} s")
         if args.auto_mp_plan_out:
@@ -134,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="narrow format(s) of insensitive layers (activation[/weight]; default INT8)")
     q.add_argument("--auto-mp-metric", default="l2", choices=("l2", "cosine", "sqnr", "kl"))
     q.add_argument("--auto-mp-dual", action="store_true", help="DualQuantNodes at precision boundaries")
+    q.add_argument("--auto-mp-no-verify", action="store_true",
+                   help="do not measure the chosen mix again in ONNX Runtime (emulation only)")
     q.add_argument("--auto-mp-plan-out", metavar="FILE", help="write the chosen plan (JSON)")
     q.add_argument("--auto-mp-plan", metavar="FILE", help="apply a saved plan (no search)")
     q.add_argument("--report", metavar="DIR", help="write JSON reports and PNG plots here")

@@ -7,12 +7,19 @@ own (the DualQuantNodes reading). It also gives a one-backward-pass first-order 
 ``sum over samples of (g . delta)^2`` (delta: the candidate's change of the layer's inputs and weight, g: the
 gradient of the output distance to the float model), and its rank agreement (Spearman) with the measurement.
 
-``auto_mixed_precision(model, data, wide=..., narrow=..., target=...)`` sorts the layers by measured
-sensitivity and bisects over how many of the least sensitive go narrow: every probe is a real mixed model
-(placed by the layer-wise machinery with exactly those nodes promoted, so precision boundaries, DualQuantNodes
-and INT32 biases are as exported), calibrated and evaluated: O(log L) full evaluations, and the returned model
-is one that was evaluated and meets the target (Quark 0.13 promotes one node at a time with a full ONNX
-Runtime pass each: O(L)).
+``auto_mixed_precision(model, data, wide=..., narrow=..., target=...)`` first evaluates all-wide (a target it
+misses ends the search: all-wide) and all-narrow (a target it meets ends it: all-narrow), with no sensitivity
+pass. Otherwise it sorts the layers by measured sensitivity and searches over how many of the least sensitive
+go narrow: the first probes sit where the single-layer effects, added up, put the boundary, then bisection.
+Every probe is a real mixed model (placed by the layer-wise machinery with exactly those nodes promoted, so
+precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated and evaluated: O(log L)
+full evaluations. The choice is then exported and measured again in ONNX Runtime; while it misses the target
+there, one layer fewer goes narrow. Quark 0.13 promotes one node at a time with a full ONNX Runtime pass each:
+O(L).
+
+The sensitivity pass is one sweep of the wide model per batch: where a layer's switched quantizers first
+change a value, the rest of the graph runs from the live values with that layer switched (bit-identical to a
+full pass per layer, about half the node evaluations).
 
 Metrics (lower is better): ``"l2"`` (Quark's: the mean over samples of ``||y_float - y||_2``), ``"cosine"``
 (1 - cosine similarity), ``"sqnr"`` (minus the SQNR in dB), ``"kl"`` (KL divergence of softmax outputs),
@@ -455,7 +462,7 @@ class SensitivityReport:
     def order(self, candidate: Optional[str] = None) -> List[str]:
         """Layer names, least sensitive first (for ``candidate``, default the first)."""
         c = candidate or self.candidates[0]
-        return [l.name for l in sorted(self.layers, key=lambda l: l.measured[c])]
+        return [l.name for l in sorted(self.layers, key=lambda l: l.measured.get(c, math.inf))]
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -637,10 +644,39 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
     return est
 
 
+def _target_layer_names(qm, target_op_type: Sequence[str]) -> List[str]:
+    """The quantized layers of ``qm`` of the given op types, graph order.
+
+    Raises:
+        ConfigError: no quantized layer of those op types.
+    """
+    names = [l.name for l in qm.layers(tuple(target_op_type)) if l.weight_quantizer is not None or l.input_quantizers]
+    if not names:
+        ops = sorted({l.op_type for l in qm.layers() if l.weight_quantizer is not None or l.input_quantizers})
+        raise ConfigError(f"AutoMixprecision TargetOpType {list(target_op_type)} matches no quantized layer; the "
+                          f"model's quantized layers are {ops}")
+    return names
+
+
+def _layer_entries(qm, names: Sequence[str], cands: Sequence[Tuple[Format, Format]]) -> List[LayerSensitivity]:
+    """One :class:`LayerSensitivity` per layer with its weight bytes wide and per candidate, nothing measured."""
+    layer_by = {l.name: l for l in qm.layers()}
+    out = []
+    for n in names:
+        ls = LayerSensitivity(n, layer_by[n].op_type)
+        w, wq = layer_by[n].weight, layer_by[n].weight_quantizer
+        ls.weight_bytes["wide"] = w.numel() * _bits(wq.fmt) / 8 if w is not None and wq is not None else 0.0
+        for c in cands:
+            ls.weight_bytes[_candidate_name(c)] = w.numel() * _bits(c[1]) / 8 if w is not None else 0.0
+        out.append(ls)
+    return out
+
+
 def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric: Union[str, Callable] = "l2",
                 evaluate_function: Optional[Callable] = None, output_index: Optional[int] = 0,
                 target_op_type: Sequence[str] = DEFAULT_TARGET_OPS, gradient: bool = True, progress: bool = True,
-                calib_data: Any = None, dual_quant_nodes: bool = False, _builder=None) -> SensitivityReport:
+                calib_data: Any = None, dual_quant_nodes: bool = False, _builder=None,
+                _reference: Optional[Tuple[Outputs, float]] = None) -> SensitivityReport:
     """Per-layer sensitivity of a prepared, calibrated (wide) model to switching each layer alone to a narrower
     format.
 
@@ -666,30 +702,21 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
     samples = _data.to_samples(data, qm.input_specs, what="sensitivity data")
     calib = _data.to_samples(calib_data, qm.input_specs) if calib_data is not None else samples
     cands = [_as_candidate(c) for c in candidates]
-    names = [l.name for l in qm.layers(tuple(target_op_type)) if l.weight_quantizer is not None or l.input_quantizers]
-    if not names:
-        ops = sorted({l.op_type for l in qm.layers() if l.weight_quantizer is not None or l.input_quantizers})
-        raise ConfigError(f"AutoMixprecision TargetOpType {list(target_op_type)} matches no quantized layer; the "
-                          f"model's quantized layers are {ops}")
+    names = _target_layer_names(qm, target_op_type)
     from ..training import fake_quant_disabled
 
-    with fake_quant_disabled(qm):
-        float_outs = run_outputs(qm, samples, output_index)
-    base = fn(float_outs, run_outputs(qm, samples, output_index))
+    if _reference is not None:  # (float outputs, all-wide metric) already measured by the caller
+        float_outs, base = _reference
+    else:
+        with fake_quant_disabled(qm):
+            float_outs = run_outputs(qm, samples, output_index)
+        base = fn(float_outs, run_outputs(qm, samples, output_index))
     builder = _builder
     if builder is None:
         builder = _Builder(qm.onnx_model, qm.config, calib, qm.device, progress)
-    report = SensitivityReport(metric=name, baseline=base, layers=[], candidates=[_candidate_name(c) for c in cands])
-    layer_by = {l.name: l for l in qm.layers()}
-    for n in names:
-        ls = LayerSensitivity(n, layer_by[n].op_type)
-        w = layer_by[n].weight
-        wq = layer_by[n].weight_quantizer
-        ls.weight_bytes["wide"] = w.numel() * _bits(wq.fmt) / 8 if w is not None and wq is not None else 0.0
-        report.layers.append(ls)
-    from tqdm.auto import tqdm
-
-    passes = 2
+    report = SensitivityReport(metric=name, baseline=base, layers=_layer_entries(qm, names, cands),
+                               candidates=[_candidate_name(c) for c in cands])
+    passes = 0 if _reference is not None else 2
     for c in cands:
         cname = _candidate_name(c)
         narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
@@ -698,8 +725,6 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
         for ls in report.layers:
             ls.measured[cname] = fn(float_outs, outs[ls.name])
             passes += 1
-            w = layer_by[ls.name].weight
-            ls.weight_bytes[cname] = w.numel() * _bits(c[1]) / 8 if w is not None else 0.0
         report.suffix_fraction[cname] = frac
         if gradient:
             est = _gradient_estimate(qm, narrow, names, samples, float_outs, output_index)
@@ -759,12 +784,15 @@ class AutoMixedPrecisionResult:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        ordered = sorted(self.sensitivity.layers, key=lambda l: l.measured[cname])
+        ordered = sorted(self.sensitivity.layers, key=lambda l: l.measured.get(cname, math.inf))
         fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(ordered) + 2), 4.0))
         xs = range(len(ordered))
-        ax.bar(xs, [l.measured[cname] for l in ordered],
+        ax.bar(xs, [l.measured.get(cname, math.nan) for l in ordered],
                color=["tab:green" if l.name in chosen else "tab:gray" for l in ordered])
-        ax.axhline(self.sensitivity.baseline, color="k", lw=0.8, ls="--", label="all wide")
+        if math.isnan(self.sensitivity.baseline):  # the search ended at all-wide or all-narrow without it
+            ax.set_xlabel("not measured: the search needed no sensitivity")
+        else:
+            ax.axhline(self.sensitivity.baseline, color="k", lw=0.8, ls="--", label="all wide")
         ax.set_xticks(list(xs))
         ax.set_xticklabels([l.name for l in ordered], rotation=90, fontsize=6)
         ax.set_ylabel(f"{self.sensitivity.metric} with the layer alone in {cname}")
@@ -867,25 +895,38 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     evals = _data.to_samples(eval_data, specs) if eval_data is not None else calib
     builder = _Builder(proto, cfg, calib, device, progress)
     qm_wide = builder.wide()
-    sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
-                       output_index=output_index, target_op_type=target_op_type, progress=progress,
-                       dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder)
-    order = sens.order()
+    names = _target_layer_names(qm_wide, target_op_type)
+    cname = _candidate_name((act_n, w_n))
     from ..training import fake_quant_disabled
 
     with fake_quant_disabled(qm_wide):
         float_outs = run_outputs(qm_wide, evals, output_index)
+    # until the sensitivity is measured (only when the search needs it): graph order, nothing measured
+    sens = SensitivityReport(metric=mname, baseline=math.nan, layers=_layer_entries(qm_wide, names, [(act_n, w_n)]),
+                             candidates=[cname])
+    order = list(names)
     layer_bytes = {l.name: l.weight_bytes for l in sens.layers}
-    cname = sens.candidates[0]
+
+    def measure_sensitivity() -> None:
+        nonlocal sens, order
+        if not math.isnan(sens.baseline):
+            return
+        sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
+                           output_index=output_index, target_op_type=target_op_type, progress=progress,
+                           dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder,
+                           _reference=(float_outs, cache[0][0]))
+        order = sens.order()
 
     def size(k: int) -> float:
         return sum(layer_bytes[n][cname] if i < k else layer_bytes[n]["wide"] for i, n in enumerate(order))
 
     evaluated: List[Tuple[int, float, float]] = []
-    cache: Dict[int, Tuple[float, Any]] = {}
+    cache: Dict[int, Tuple[float, Any]] = {}  # k -> (metric, model): k = 0 and k = n do not depend on the order
 
     def probe(k: int):
         if k not in cache:
+            if 0 < k < n:
+                measure_sensitivity()
             qm_k = qm_wide if k == 0 else builder.promoted(order[:k], act_n, w_n, target_op_type, dual_quant_nodes)
             v = fn(float_outs, run_outputs(qm_k, evals, output_index))
             cache[k] = (v, qm_k)
@@ -897,6 +938,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     message = ""
     narrow_v = None
     if budget_bytes is not None:
+        measure_sensitivity()
         fits = [j for j in range(n + 1) if size(j) <= budget_bytes]
         if not fits:
             k = n
@@ -907,7 +949,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             k = fits[0]
             message = f"{k} of {n} layers narrow for {size(k):.0f} B <= {budget_bytes:.0f} B"
         probe(k)
-    elif wide_v > target:
+    elif wide_v > target:  # checked before any sensitivity pass: nothing to search
         k = 0
         message = (f"the target {mname} <= {target:g} cannot be met even with every layer wide ({mname} = "
                    f"{wide_v:.6g}): returning the all-wide model")
@@ -915,13 +957,15 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         narrow_v = None
     else:
         narrow_v, _ = probe(n)
-        if narrow_v <= target:
+        if narrow_v <= target:  # no sensitivity pass needed (unless ONNX Runtime disagrees below)
             k = n
             message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g})"
         elif search == "exhaustive":
+            measure_sensitivity()
             k = max(j for j in range(n + 1) if probe(j)[0] <= target)
             message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; exhaustive)"
         else:
+            measure_sensitivity()
             lo, hi = 0, n
             # the first probes where the single-layer sensitivities, added up, predict the boundary (and its
             # neighbour): when the effects add up the bracket closes after two builds; when they do not, those

@@ -1,6 +1,8 @@
 """Sensitivity analysis and automatic mixed precision (issue 13) on small models."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,79 @@ def test_budget_form_and_pareto_front(tmp_path):
     assert {k for k, _, _ in res.evaluated} >= {0, 2, 4}
     with pytest.raises(qo.ConfigError, match="exactly one of target"):
         auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", progress=False)
+
+
+def test_sensitivity_sweep_is_bit_identical_to_full_passes():
+    """The branch-point sweep gives, per layer, exactly the outputs of a full forward pass with that layer
+    switched, and executes fewer node evaluations than one full pass per layer."""
+    from qtorch_onnx.algorithms import mixed_precision as mp
+    from qtorch_onnx.formats.spec import get_format
+
+    qm = _wide()
+    samples = to_samples(calib_data(6), qm.input_specs)
+    names = [l.name for l in qm.layers(mp.DEFAULT_TARGET_OPS)]
+    builder = mp._Builder(qm.onnx_model, qm.config, samples, None, False)
+    narrow = builder.promoted(names, get_format("INT8"), get_format("INT4"), mp.DEFAULT_TARGET_OPS, False)
+    patches = {n: mp._Patch(qm, narrow, n) for n in names}
+    outs, frac = mp._patched_outputs(qm, samples, 0, patches, False, "test", batch_size=4)
+    assert 0 < frac < 1
+    changed = 0
+    for n in names:
+        with patches[n]:
+            full = run_outputs(qm, samples, 0, batch_size=4)
+        assert len(full) == len(outs[n]) == 6
+        for a, b in zip(full, outs[n]):
+            assert np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32)), n
+        changed += not all(np.array_equal(a[0], b[0]) for a, b in zip(full, run_outputs(qm, samples, 0)))
+    assert changed == len(names)  # every patch changed the output: the comparison is not vacuous
+
+
+def test_extremes_need_no_sensitivity_pass():
+    _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow="INT8", target=1e9, progress=False)
+    assert res.plan.promoted_nodes and len(res.plan.promoted_nodes) == 4
+    assert res.sensitivity.forward_passes == 0 and np.isnan(res.sensitivity.baseline)
+    assert res.verified and res.verified[-1][0] == 4 and res.verified[-1][1] <= 1e9
+    with pytest.warns(UserWarning, match="cannot be met even with every layer wide"):
+        _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow="INT8", target=-1.0,
+                                         progress=False)
+    assert res.plan.promoted_nodes == [] and res.sensitivity.forward_passes == 0 and res.builds == 1
+
+
+def test_choice_is_verified_in_onnxruntime_and_steps_back(monkeypatch):
+    """When ONNX Runtime disagrees with the emulation near the target, one layer fewer goes narrow until the
+    target holds there; the ONNX Runtime figures are reported."""
+    from qtorch_onnx.algorithms import mixed_precision as mp
+
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+                                         progress=False)
+    target = res_all.wide_value + 0.6 * (res_all.narrow_value - res_all.wide_value)
+    plan0, _, res0 = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+                                          target=target, progress=False)
+    k0 = len(plan0.promoted_nodes)
+    assert k0 >= 2 and len(res0.verified) == 1 and res0.verified[0][1] <= target
+    real = mp._ort_outputs
+    calls = []
+
+    def disagreeing(model, samples, output_index):
+        out = real(model, samples, output_index)
+        calls.append(model)
+        if len(calls) == 2:  # the first quantized model checked (call 1 is the float reference) misses
+            out = [[o + 10.0 * np.abs(o).max() + 1.0 for o in s] for s in out]
+        return out
+
+    monkeypatch.setattr(mp, "_ort_outputs", disagreeing)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan, qm, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+                                             target=target, progress=False)
+    assert not [w for w in seen if "AutoMixprecision" in str(w.message)]  # stepping back is not a failure
+    assert [k for k, _ in res.verified][0] == k0 and res.verified[0][1] > target
+    assert len(plan.promoted_nodes) < k0 and res.verified[-1][1] <= target
+    assert res.verified[-1][0] == len(plan.promoted_nodes) and "in ONNX Runtime" in res.message
+    _, _, res_none = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+                                          target=target, progress=False, verify=None)
+    assert res_none.verified == []
+    with pytest.raises(qo.ConfigError, match="verify"):
+        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, verify="tensorrt",
+                             progress=False)
+
