@@ -193,8 +193,10 @@ def run_ours(model: str, calib, wide: str, narrow: str, dual: bool, target: floa
             "sensitivity_seconds": res.sensitivity.seconds, "gradient_estimate_seconds": grad,
             "search_evaluations": len(res.evaluated), "evaluated": res.evaluated, "value_torch": res.plan.value,
             "wide_value_torch": res.wide_value, "narrow_value_torch": res.narrow_value, "message": res.message,
-            "spearman": res.sensitivity.spearman,
-            "ranking": {l.name: l.measured[res.sensitivity.candidates[0]] for l in res.sensitivity.layers}}
+            "spearman": res.sensitivity.spearman, "verified_onnxruntime": res.verified,
+            "sensitivity_suffix_fraction": res.sensitivity.suffix_fraction,
+            "ranking": {l.name: l.measured[res.sensitivity.candidates[0]] for l in res.sensitivity.layers
+                        if res.sensitivity.candidates[0] in l.measured}}
 
 
 def run_ours_wide(model: str, calib, wide: str, path: Path) -> dict:

@@ -797,7 +797,8 @@ class AutoMixedPrecisionResult:
         ax.set_xticklabels([l.name for l in ordered], rotation=90, fontsize=6)
         ax.set_ylabel(f"{self.sensitivity.metric} with the layer alone in {cname}")
         ax.set_title("per-layer sensitivity, sorted (green: chosen narrow)")
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
         fig.tight_layout()
         fig.savefig(paths["sensitivity"], dpi=110)
         plt.close(fig)
