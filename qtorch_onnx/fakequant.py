@@ -172,6 +172,10 @@ class FakeQuantize(nn.Module):
         self.weight_storage = "quantized"
         #: (scale shape, zero-point shape) an imported model stored its parameters in, or None (export's own)
         self.qparam_shapes = None
+        #: weights: ONNX Runtime's TensorQuantOverrides pinned into every qparams computation from the live value
+        #: (placement.QuantSpec.overrides: ``scale`` / ``zero_point`` / ``rmin`` / ``rmax``, a number, or per
+        #: channel a tuple with None where the channel's own range decides; ``reduce_range``). None: no override.
+        self.qparam_overrides: Optional[Dict[str, Any]] = None
         self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
         self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)
@@ -437,10 +441,18 @@ class FakeQuantize(nn.Module):
         ``scale = float32(max(|rmin|, |rmax|) / 2)`` (section 3).
         """
         if isinstance(self.fmt, IntFormat):
+            ov = self.qparam_overrides or {}
+            if ov:  # TensorQuantOverrides rmin / rmax replace the observed range (per channel where given)
+                rmin = _overridden(torch.as_tensor(rmin, dtype=torch.float64), ov.get("rmin"), torch.float64)
+                rmax = _overridden(torch.as_tensor(rmax, dtype=torch.float64), ov.get("rmax"), torch.float64)
             if self.power_of_two:
                 scale, zp, _ = _integer.pow2_scale_nonoverflow(rmin, rmax, self.fmt, self.symmetric)
             else:
-                scale, zp = _integer.qparams_from_range(rmin, rmax, self.fmt, self.symmetric)
+                scale, zp = _integer.qparams_from_range(rmin, rmax, self.fmt, self.symmetric,
+                                                        reduce_range=bool(ov.get("reduce_range", False)))
+            if "scale" in ov:  # fixed scale / zero point (per channel where given)
+                scale = _overridden(torch.as_tensor(scale, dtype=torch.float32), ov["scale"], torch.float32)
+                zp = _overridden(torch.as_tensor(zp, dtype=torch.int64), ov["zero_point"], torch.int64)
             self.set_qparams(scale, zp)
         elif isinstance(self.fmt, FloatFormat) and not self.scaled:
             self.calibrated = True  # plain BF16/FP16 rounding: scale 1, nothing to compute
@@ -590,6 +602,22 @@ class FakeQuantize(nn.Module):
         if isinstance(self.fmt, IntFormat):
             s += f", symmetric={self.symmetric}"
         return s
+
+
+def _overridden(base: torch.Tensor, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``base`` (0-d, or 1-d per channel) with a TensorQuantOverrides value put in: a number replaces every
+    element; a per-channel tuple replaces the channels whose entry is not None."""
+    if value is None:
+        return base
+    if not isinstance(value, (tuple, list)):
+        return torch.full_like(base, float(value) if dtype.is_floating_point else int(value), dtype=dtype)
+    out = base.to(dtype).clone().reshape(-1)
+    if out.numel() != len(value):
+        raise ConfigError(f"TensorQuantOverrides: {len(value)} per-channel values for {out.numel()} channels")
+    for i, v in enumerate(value):
+        if v is not None:
+            out[i] = float(v) if dtype.is_floating_point else int(v)
+    return out.reshape(base.shape)
 
 
 def _bfp_kwargs(fmt: BFPFormat) -> dict:

@@ -119,6 +119,102 @@ class QuantSpec:
         return self.tensor if self.consumer is None else edge_key(self.tensor, self.consumer)
 
 
+def _override_error(tensor: str, msg: str) -> ConfigError:
+    return ConfigError(f"extra_options['TensorQuantOverrides'][{tensor!r}]: {msg}")
+
+
+def _activation_overrides(t: str, entries: list, cfg: ResolvedConfig) -> Tuple[Tuple[str, object], ...]:
+    """The fixed qparams / range of an activation's (per-tensor) override.
+
+    Raises:
+        ConfigError: a per-channel list or ``reduce_range`` on an activation (ONNX Runtime allows both only
+            for initializers).
+    """
+    entry = dict(entries[0])
+    if "axis" in entry or len(entries) > 1:
+        raise _override_error(t, "per-channel overrides (a list of dicts with 'axis') apply to initializers "
+                                 "(weights) only, as in ONNX Runtime; this tensor is an activation")
+    if entry.get("reduce_range"):
+        raise _override_error(t, "'reduce_range' applies to initializers (weights) only, as in ONNX Runtime; "
+                                 "this tensor is an activation")
+    return tuple((k, entry[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in entry)
+
+
+def _weight_overrides(t: str, entries: list, info: "GraphInfo", cfg: ResolvedConfig
+                      ) -> Tuple[Optional[int], Tuple[Tuple[str, object], ...]]:
+    """``(axis, overrides)`` of an initializer's TensorQuantOverrides (ONNX Runtime's semantics): one dict without
+    ``axis`` is per tensor; a list whose first dict has ``axis`` is per channel along it, with one dict applied
+    to every channel or one dict per channel. Per channel, each value (``scale``, ``zero_point``, ``rmin``,
+    ``rmax``) is a tuple over the channels with None where that channel's dict does not give it (the channel's
+    own data then decides); one dict gives plain values. ``reduce_range`` is kept as a flag.
+
+    Raises:
+        ConfigError: an axis out of range, a channel count other than 1 or the tensor's, channel dicts whose
+            quant_type / symmetric / axis / reduce_range differ from the first, ``convert`` on an initializer,
+            ``reduce_range`` with power-of-two scales.
+    """
+    first = dict(entries[0])
+    if any("convert" in e for e in entries):
+        raise _override_error(t, "'convert' applies to activations only, as in ONNX Runtime; this tensor is an "
+                                 "initializer")
+    if first.get("reduce_range", cfg.reduce_range) and cfg.power_of_two:
+        raise _override_error(t, "'reduce_range' cannot be combined with power-of-two scales (XINT8 / "
+                                 "enable_npu_cnn): there is no reduced power-of-two rule")
+    flags: Tuple[Tuple[str, object], ...] = (("reduce_range", True),) \
+        if first.get("reduce_range", cfg.reduce_range) else ()
+    if "axis" not in first:
+        return None, tuple((k, first[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in first) + flags
+    dims = list(info.initializers[t].dims)
+    axis = int(first["axis"])
+    if not -len(dims) <= axis < len(dims):
+        raise _override_error(t, f"axis {axis} is out of range for a weight of shape {dims} (valid: "
+                                 f"{-len(dims)}..{len(dims) - 1})")
+    axis %= len(dims)
+    channels = dims[axis]
+    if len(entries) not in (1, channels):
+        raise _override_error(t, f"{len(entries)} per-channel override dicts for {channels} channels along axis "
+                                 f"{axis} (weight shape {dims}): give {channels}, or 1 applied to every channel")
+    for i, e in enumerate(entries[1:], 1):
+        for key in ("quant_type", "symmetric", "reduce_range"):
+            if key in e and e[key] != first.get(key):
+                raise _override_error(t, f"channel {i} sets {key}={e[key]!r} but the first dict "
+                                         f"{'sets ' + repr(first[key]) if key in first else 'does not'}: "
+                                         f"{key} is per tensor and given in the first dict only")
+        if "axis" in e and int(e["axis"]) % len(dims) != axis:
+            raise _override_error(t, f"channel {i} gives axis {e['axis']}, the first dict {first['axis']}")
+    fixed = []
+    for key in ("scale", "zero_point", "rmin", "rmax"):
+        if len(entries) == 1:
+            if key in first:
+                fixed.append((key, first[key]))
+        elif any(key in e for e in entries):
+            fixed.append((key, tuple(e.get(key) for e in entries)))
+    return axis, tuple(fixed) + flags
+
+
+def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: "GraphInfo", cfg: ResolvedConfig
+                   ) -> Dict[str, "QuantSpec"]:
+    """Consumer-side quantizers for ONNX Runtime's ``convert`` override: each node of ``recv_nodes`` (default:
+    every reader of ``t``) reads ``t`` quantized with its own type, then with ``convert['quant_type']``
+    (Q/DQ of the first type, then Q/DQ of the second, before that node only).
+
+    Raises:
+        ConfigError: a recv node that does not read ``t``.
+    """
+    readers = info.consumers.get(t, [])
+    recv = list(conv.get("recv_nodes") or readers)
+    bad = [n for n in recv if n not in readers]
+    if bad:
+        raise _override_error(t, f"convert recv_nodes {bad} do not read this tensor; its readers are {readers}")
+    fixed = tuple((k, conv[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in conv)
+    out = {}
+    for node in recv:
+        spec = QuantSpec(t, conv["quant_type"], "activation", symmetric=bool(conv.get("symmetric", own.symmetric)),
+                         overrides=fixed, consumer=node, chained=True)
+        out[spec.key] = spec
+    return out
+
+
 def edge_key(tensor: str, consumer: str) -> str:
     """Key of the consumer-side quantizer of ``tensor`` for node ``consumer``: ``"<tensor> -> <consumer>"``."""
     return f"{tensor} -> {consumer}"
@@ -332,19 +428,31 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
         elif info.is_float(t):
             role = "weight" if t in info.initializers else "activation"
             specs[t] = QuantSpec(t, fmt, role, symmetric=cfg.activation_symmetric)
+    if cfg.reduce_range:  # ONNX Runtime's reduce_range: integer weights computed for the 7-bit (15-bit) range
+        if cfg.power_of_two:
+            raise ConfigError("reduce_range=True cannot be combined with power-of-two scales (XINT8 / "
+                              "enable_npu_cnn): there is no reduced power-of-two rule")
+        for t, sp in list(specs.items()):
+            if sp.role == "weight" and sp.consumer is None and isinstance(sp.fmt, IntFormat) and sp.fmt.bits <= 16:
+                specs[t] = dataclasses.replace(sp, overrides=sp.overrides + (("reduce_range", True),))
     for t, entries in cfg.tensor_quant_overrides.items():
-        entry = dict(entries[0]) if isinstance(entries, (list, tuple)) else dict(entries)
-        base = specs.get(t) or QuantSpec(t, act_fmt, "weight" if t in info.initializers else "activation",
+        entries = list(entries) if isinstance(entries, (list, tuple)) else [entries]
+        entry = dict(entries[0])
+        is_init = t in info.initializers
+        base = specs.get(t) or QuantSpec(t, act_fmt, "weight" if is_init else "activation",
                                          symmetric=cfg.activation_symmetric)
         changes: Dict[str, object] = {}
         if "quant_type" in entry:
             changes["fmt"] = entry["quant_type"]
         if "symmetric" in entry:
             changes["symmetric"] = bool(entry["symmetric"])
-        if "axis" in entry:
-            changes["axis"] = entry["axis"]
-        fixed = tuple((k, entry[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in entry)
+        if is_init:
+            changes["axis"], fixed = _weight_overrides(t, entries, info, cfg)
+        else:
+            fixed = _activation_overrides(t, entries, cfg)
         specs[t] = dataclasses.replace(base, overrides=fixed, **changes)
+        if "convert" in entry:  # ONNX Runtime's mixed precision: the readers in recv_nodes see a second type
+            specs.update(_convert_specs(t, entry["convert"], specs[t], info, cfg))
 
     # range adjustments and alignment (applied after calibration)
     for n in model.graph.node:
@@ -371,8 +479,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
             if not (x in specs and w in specs and isinstance(specs[x].fmt, IntFormat) and isinstance(specs[w].fmt, IntFormat)):
                 specs[t] = QuantSpec(t, w_fmt, "weight", symmetric=cfg.weight_symmetric,
                                      narrow_range=cfg.weight_symmetric and isinstance(w_fmt, IntFormat))
-            elif specs[w].axis is not None:
-                specs[t] = dataclasses.replace(s, axis=0)
+            else:  # per channel exactly when the weight is (TensorQuantOverrides may change that)
+                specs[t] = dataclasses.replace(s, axis=0 if specs[w].axis is not None else None)
     # block formats: the block axis follows the reduction axis (CONFIG.md)
     for t, s in list(specs.items()):
         if isinstance(s.fmt, (BFPFormat, MXFormat)):

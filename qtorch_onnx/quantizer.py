@@ -300,6 +300,8 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
             cast = cfg.bf16_qdq_to_cast if spec.fmt.kind == "BF16" else spec.scaled
             fq.float_form = "cast" if cast else "qdq"
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
+            if spec.overrides:  # TensorQuantOverrides on an initializer: pinned into every qparams computation
+                fq.qparam_overrides = dict(spec.overrides)
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
         fq.set_mode("quantize")

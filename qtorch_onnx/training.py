@@ -571,7 +571,7 @@ def _spec_from_dict(d: Dict[str, Any]):
 
     d = dict(d)
     d["fmt"] = _fmt_from_dict(d["fmt"])
-    d["overrides"] = tuple(tuple(kv) for kv in d["overrides"])
+    d["overrides"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d["overrides"])
     for k in ("bias_of", "fixed_range"):
         if d.get(k) is not None:
             d[k] = tuple(d[k])
