@@ -82,20 +82,60 @@ def _opset(model: onnx.ModelProto, domain: str = "") -> int:
     return 0
 
 
-def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike]) -> None:
-    """Write ``model`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``)."""
+_PROTO_LIMIT = 2_000_000_000  # protobuf cannot serialize a message of 2 GiB: larger models need external data
+
+
+def _initializer_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) or t.ByteSize() for t in model.graph.initializer)
+
+
+def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike], *,
+                      external_data: Optional[bool] = None) -> None:
+    """Write ``model`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``), with the
+    permissions a plain ``open(path, "wb")`` would give (the user's umask).
+
+    Args:
+        external_data: True: the initializers go to one external data file ``<file name>.data`` beside ``path``
+            (ONNX's external data format; Quark's ``use_external_data_format``), written and renamed before the
+            model file. None: only when the initializers exceed protobuf's 2 GiB limit. ``model`` itself is not
+            changed (a copy is converted).
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".onnx", dir=folder)
-    os.close(fd)
+    if external_data is None:
+        external_data = _initializer_bytes(model) > _PROTO_LIMIT
+    umask = os.umask(0)
+    os.umask(umask)
+    if not external_data:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".onnx", dir=folder)
+        os.close(fd)
+        try:
+            onnx.save(model, tmp)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return
+    location = os.path.basename(path) + ".data"
+    work = tempfile.mkdtemp(prefix=".tmp_", dir=folder)
     try:
-        onnx.save(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        onnx.save_model(copy, os.path.join(work, "model.onnx"), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=location, size_threshold=1024)
+        for name in (location, "model.onnx"):
+            if os.path.exists(os.path.join(work, name)):
+                os.chmod(os.path.join(work, name), 0o666 & ~umask)
+        if os.path.exists(os.path.join(work, location)):
+            os.replace(os.path.join(work, location), os.path.join(folder, location))
+        os.replace(os.path.join(work, "model.onnx"), path)
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def save_bytes_atomic(data: bytes, path: Union[str, os.PathLike]) -> None:
@@ -293,13 +333,15 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     for dom in (QUARK_DOMAIN, "com.microsoft"):
         if any(n.domain == dom for n in ordered) and not any(o.domain == dom for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(dom, 1))
-    if check:
+    external = bool(getattr(getattr(qm, "config", None), "use_external_data_format", False)) \
+        or _initializer_bytes(model) > _PROTO_LIMIT
+    if check and _initializer_bytes(model) <= _PROTO_LIMIT:  # the checker serializes the model
         try:
             onnx.checker.check_model(model, full_check=True)
         except Exception as exc:
             raise ExportError(f"exported model fails onnx.checker: {exc}") from exc
     if path is not None:
-        save_model_atomic(model, path)
+        save_model_atomic(model, path, external_data=external)
     return (model, qmap) if return_map else model
 
 

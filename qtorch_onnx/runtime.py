@@ -94,13 +94,35 @@ def uses_custom_ops(model: onnx.ModelProto) -> bool:
     return any(n.domain in CUSTOM_DOMAINS for n in model.graph.node)
 
 
-def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threads: int = 0):
-    """An ``onnxruntime.InferenceSession`` on CPU for ``model`` at the given graph optimization level.
+def check_providers(providers: Sequence[str]) -> None:
+    """Raise ConfigError naming the execution providers this ONNX Runtime build lacks (and those it has)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    missing = [p for p in providers if p not in available]
+    if missing:
+        from .errors import ConfigError
+
+        raise ConfigError(f"execution_providers {missing} are not available in this ONNX Runtime build "
+                          f"({ort.__version__}); available: {available}")
+
+
+def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threads: int = 0,
+            providers: Sequence[str] = ("CPUExecutionProvider",)):
+    """An ``onnxruntime.InferenceSession`` for ``model`` at the given graph optimization level.
 
     The project's operator library is registered when the model has ``com.amd.quark`` / ``com.vai.quantize``
     nodes (built on first use, see :func:`get_library_path`).
+
+    Args:
+        providers: ONNX Runtime execution providers in order of preference (Quark's ``execution_providers``).
+
+    Raises:
+        ConfigError: a provider this ONNX Runtime build does not have (the message lists the available ones).
     """
     import onnxruntime as ort
+
+    check_providers(providers)
 
     so = ort.SessionOptions()
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, opt_level)
@@ -109,7 +131,7 @@ def session(model: onnx.ModelProto, *, opt_level: str = "ORT_DISABLE_ALL", threa
     so.log_severity_level = 3
     if uses_custom_ops(model):
         so.register_custom_ops_library(get_library_path())
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
 
 
 def run(model_or_session, inputs: Sequence[np.ndarray], **kw) -> List[np.ndarray]:

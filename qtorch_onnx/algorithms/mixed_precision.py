@@ -186,12 +186,14 @@ def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -
     return out
 
 
-def _ort_outputs(model, samples, output_index: Optional[int]) -> Outputs:
-    """Per-sample outputs of ONNX model ``model`` (a ModelProto) in ONNX Runtime on CPU (the project's operator
-    library registered when needed), in the form of :func:`run_outputs`."""
+def _ort_outputs(model, samples, output_index: Optional[int],
+                 providers: Sequence[str] = ("CPUExecutionProvider",)) -> Outputs:
+    """Per-sample outputs of ONNX model ``model`` (a ModelProto) in ONNX Runtime on ``providers`` (the
+    configuration's ``execution_providers``; the project's operator library registered when needed), in the
+    form of :func:`run_outputs`."""
     from ..runtime import session
 
-    sess = session(model)
+    sess = session(model, providers=providers)
     names = [i.name for i in sess.get_inputs()]
     out: Outputs = []
     for sample in samples:
@@ -886,6 +888,10 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         raise ConfigError(f"AutoMixprecision target types ({act_n.name}, {w_n.name}) equal the wide types: "
                           "nothing to switch")
     mname, fn = resolve_metric(metric, evaluate_function)
+    if verify:
+        from ..runtime import check_providers
+
+        check_providers(cfg.execution_providers)  # before any work: the check at the end runs on them
     from ..lift import load_model
 
     proto = load_model(model)
@@ -1005,12 +1011,13 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         # the emulation's choice measured again where it is deployed; one layer fewer while it misses there
         from ..export import export as _export
 
-        ort_ref = _ort_outputs(proto, evals, output_index)
+        eps = tuple(cfg.execution_providers)
+        ort_ref = _ort_outputs(proto, evals, output_index, eps)
         while k > 0:
             if cache[k][0] <= target:
                 qm_k = cache[k][1]
                 qm_k.config = plan_for(k).apply(cfg)
-                v_ort = fn(ort_ref, _ort_outputs(_export(qm_k, check=False), evals, output_index))
+                v_ort = fn(ort_ref, _ort_outputs(_export(qm_k, check=False), evals, output_index, eps))
                 verified.append((k, v_ort))
                 if v_ort <= target:
                     break

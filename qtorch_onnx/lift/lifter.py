@@ -40,12 +40,53 @@ def load_model(model_or_path: ModelLike) -> onnx.ModelProto:
     if not path.is_file():
         raise ModelError(f"ONNX model file {str(path)!r} does not exist")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
         raise ModelError(f"file {str(path)!r} is not an ONNX model: {exc}") from exc
+    _load_external_data(model, path)
     if model.ir_version == 0 or not model.opset_import or not model.graph.node:
         raise ModelError(f"file {str(path)!r} is not an ONNX model (no IR version, opset import or nodes)")
     return model
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Read the initializers stored in external data files (ONNX's external data format) beside ``path``.
+
+    Raises:
+        ModelError: an external data file that is missing, or shorter than a tensor's offset + length (names
+            the tensor and the file).
+    """
+    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
+
+    def all_tensors(graph):
+        yield from graph.initializer
+        for n in graph.node:
+            for a in n.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from all_tensors(g)
+
+    tensors = [t for t in all_tensors(model.graph) if uses_external_data(t)]
+    if not tensors:
+        return
+    base = path.parent
+    for t in tensors:
+        info = ExternalDataInfo(t)
+        f = base / info.location
+        if not f.is_file():
+            raise ModelError(f"{str(path)!r}: tensor {t.name!r} is stored in the external data file "
+                             f"{str(f)!r}, which does not exist (keep the .data file beside the model)")
+        size = f.stat().st_size
+        end = (info.offset or 0) + (info.length if info.length is not None else 0)
+        if end > size or (info.offset or 0) > size:
+            raise ModelError(f"{str(path)!r}: tensor {t.name!r} needs bytes {info.offset or 0}..{end} of the external "
+                             f"data file {str(f)!r}, which has {size} bytes (truncated?)")
+    try:
+        load_external_data_for_model(model, str(base))
+    except Exception as exc:
+        raise ModelError(f"{str(path)!r}: reading its external data from {str(base)!r} failed: {exc}") from exc
 
 
 def _opsets(model: onnx.ModelProto) -> dict[str, int]:

@@ -234,8 +234,8 @@ def test_choice_is_verified_in_onnxruntime_and_steps_back(monkeypatch):
     real = mp._ort_outputs
     calls = []
 
-    def disagreeing(model, samples, output_index):
-        out = real(model, samples, output_index)
+    def disagreeing(model, samples, output_index, providers=("CPUExecutionProvider",)):
+        out = real(model, samples, output_index, providers)
         calls.append(model)
         if len(calls) == 2:  # the first quantized model checked (call 1 is the float reference) misses
             out = [[o + 10.0 * np.abs(o).max() + 1.0 for o in s] for s in out]
@@ -253,6 +253,13 @@ def test_choice_is_verified_in_onnxruntime_and_steps_back(monkeypatch):
     _, _, res_none = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
                                           target=target, progress=False, verify=None)
     assert res_none.verified == []
+    from qtorch_onnx import CalibrationMethod, Config, QuantizationConfig, QuantType
+
+    bad_ep = Config(global_quant_config=QuantizationConfig(
+        calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QInt16, weight_type=QuantType.QInt8,
+        execution_providers=["NoSuchExecutionProvider"]))
+    with pytest.raises(qo.ConfigError, match=r"\['NoSuchExecutionProvider'\] are not available.*CPUExecutionProvider"):
+        auto_mixed_precision(cnn(), calib_data(4), wide=bad_ep, narrow="INT8", target=0.1, progress=False)
     with pytest.raises(qo.ConfigError, match="verify"):
         auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, verify="tensorrt",
                              progress=False)
