@@ -176,6 +176,11 @@ class FakeQuantize(nn.Module):
         #: (placement.QuantSpec.overrides: ``scale`` / ``zero_point`` / ``rmin`` / ``rmax``, a number, or per
         #: channel a tuple with None where the channel's own range decides; ``reduce_range``). None: no override.
         self.qparam_overrides: Optional[Dict[str, Any]] = None
+        #: weights: how their range is found (Quark's WeightCalibrateMethod): None = min / max; or (method name,
+        #: observer options) with "Percentile" (float scales) or "MinMSE" / "NonOverflow" (power-of-two scales
+        #: chosen by :class:`~qtorch_onnx.observers.PowerOfTwoObserver`); recomputed only when the value changes
+        self.weight_method: Optional[Tuple[str, Dict[str, Any]]] = None
+        self._weight_method_key: Optional[tuple] = None
         self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
         self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)
@@ -388,12 +393,53 @@ class FakeQuantize(nn.Module):
         if not self.needs_calibration:
             return
         v = value.detach()  # min / max are elements of the tensor: exact in its own dtype, widened after
+        if self.weight_method is not None:
+            key = (v.data_ptr(), v._version, tuple(v.shape), v.device)
+            if key != self._weight_method_key:  # an observer pass per channel: only when the value changed
+                self.qparams_by_method(v, self.axis)
+                self._weight_method_key = key
+            return
         if self.axis is None:
             rmin, rmax = v.min(), v.max()
         else:
             dims = [d for d in range(v.dim()) if d != self.axis % v.dim()]
             rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
         self.compute_qparams_from_range(rmin.to(torch.float64), rmax.to(torch.float64))
+
+    def qparams_by_method(self, value: torch.Tensor, axis: Optional[int]) -> None:
+        """Weight qparams with :attr:`weight_method` (Quark's WeightCalibrateMethod): one observer per tensor,
+        or per channel along ``axis`` of ``value``'s layout, fed the values (both passes for histogram
+        observers). Percentile gives a range (then :meth:`compute_qparams_from_range`, overrides included);
+        MinMSE / NonOverflow give the power-of-two scale directly.
+
+        Raises:
+            ConfigError: :attr:`weight_method` is not set, or names an unknown method.
+        """
+        from .observers import make_observer
+
+        if self.weight_method is None:
+            raise ConfigError(f"quantizer on {self.tensor_name!r} has no weight calibration method")
+        method, opts = self.weight_method
+        v = value.detach().to(torch.float32)
+        parts = [v] if axis is None else list(v.movedim(axis % v.dim(), 0))
+        observers = []
+        for part in parts:
+            obs = make_observer(method, name=self.tensor_name, **opts)
+            obs.update(part)
+            if obs.needs_second_pass:
+                obs.start_second_pass()
+                obs.update(part)
+            observers.append(obs)
+        if method in ("MinMSE", "NonOverflow"):
+            pairs = [o.compute_qparams(self.fmt, self.symmetric) for o in observers]
+            scale = torch.stack([p[0].reshape(()) for p in pairs])
+            zp = torch.stack([p[1].reshape(()) for p in pairs])
+            self.set_qparams(scale[0] if axis is None else scale, zp[0] if axis is None else zp)
+        else:
+            ranges = [o.compute_range() for o in observers]
+            rmin = torch.stack([r[0].reshape(()) for r in ranges])
+            rmax = torch.stack([r[1].reshape(()) for r in ranges])
+            self.compute_qparams_from_range(rmin[0] if axis is None else rmin, rmax[0] if axis is None else rmax)
 
     def _effective_qparams(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale, zero point) the forward uses: the learnable ones (differentiable) when learnable."""

@@ -189,6 +189,16 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
     return make_observer(method, **opts)
 
 
+def _weight_method(spec: QuantSpec, cfg: ResolvedConfig) -> Tuple[str, Dict[str, Any]]:
+    """``(observer method, options)`` for an integer weight under Quark's WeightCalibrateMethod: Percentile
+    with the configuration's Percentile / NumBins; MinMSE and NonOverflow (PowerOfTwoMethod) with the weight's
+    format and symmetry (power-of-two scales)."""
+    method = cfg.weight_calibrate_method
+    if method == "Percentile":
+        return method, {"percentile": cfg.percentile, "num_bins": cfg.num_bins}
+    return method, {"fmt": spec.fmt, "symmetric": spec.symmetric}
+
+
 def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, onnx_axis: Optional[int]) -> None:
     """Quantization parameters of a weight from its own values (ONNX layout), per tensor or per channel."""
     v = value.detach().to(torch.float64)
@@ -302,8 +312,14 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if spec.overrides:  # TensorQuantOverrides on an initializer: pinned into every qparams computation
                 fq.qparam_overrides = dict(spec.overrides)
+            if spec.role == "weight" and isinstance(spec.fmt, IntFormat) and cfg.weight_calibrate_method != "MinMax" \
+                    and not (cfg.weight_calibrate_method == "NonOverflow" and cfg.power_of_two):  # that is min/max
+                fq.weight_method = _weight_method(spec, cfg)
             if tensor in plan.info.initializers:
-                _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
+                if fq.weight_method is not None:
+                    fq.qparams_by_method(_initializer_value(plan.info, tensor), spec.axis)
+                else:
+                    _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
         fq.set_mode("quantize")
         if spec.role == "activation" and observer is not None:
             fq._observer_enabled = True  # observes until calibrate() freezes it

@@ -142,3 +142,47 @@ def test_bad_overrides_are_named(overrides, words):
         qo.prepare(cnn(), _config(overrides))
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("method", ["Percentile", "MinMSE"])
+def test_weight_calibrate_method_acts(method):
+    """Quark's WeightCalibrateMethod: the weights' range (Percentile) or power-of-two scale (MinMSE) comes from
+    the observer of that method, per channel; recomputed when the weight changes; export bit-exact."""
+    from qtorch_onnx.config.enums import CalibrationMethod as CM, PowerOfTwoMethod
+    from qtorch_onnx.observers import make_observer
+
+    wcm = CM.Percentile if method == "Percentile" else PowerOfTwoMethod.MinMSE
+    extra = {"WeightCalibrateMethod": wcm}
+    if method == "Percentile":
+        extra["Percentile"] = 99.0
+    cfg = Config(global_quant_config=QuantizationConfig(
+        calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+        per_channel=True, extra_options=extra))
+    qm = qo.prepare(cnn(), cfg)
+    qo.calibrate(qm, calib_data(4), progress=False)
+    fq = qm.quantizers()["w2"]
+    w2 = torch.tensor(_init(cnn(), "w2"))
+    for c in (0, 5):
+        opts = {"percentile": 99.0} if method == "Percentile" else {"fmt": INT8, "symmetric": True}
+        obs = make_observer(method, **opts)
+        obs.update(w2[c])
+        if obs.needs_second_pass:
+            obs.start_second_pass()
+            obs.update(w2[c])
+        if method == "Percentile":
+            s, _ = I.qparams_from_range(*obs.compute_range(), INT8, True)
+        else:
+            s, _ = obs.compute_qparams(INT8, True)
+        assert fq.scale[c].item() == s.item()
+    minmax = qo.prepare(cnn(), Config(global_quant_config=QuantizationConfig(
+        calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+        per_channel=True))).quantizers()["w2"].scale
+    assert not torch.equal(fq.scale, minmax)  # the method changed the parameters
+    if method == "MinMSE":
+        assert torch.equal(torch.exp2(torch.round(torch.log2(fq.scale))), fq.scale)
+    before = fq.scale.clone()
+    with torch.no_grad():
+        qm.parameter("w2").mul_(4.0)
+    qm(torch.from_numpy(calib_data(1)[0]["input"]))
+    assert not torch.equal(fq.scale, before)  # the live weight changed, so did its parameters
+    _bit_exact(qm)
