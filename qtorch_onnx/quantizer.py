@@ -71,6 +71,8 @@ class QuantizedModel(nn.Module):
         self.tensor_map = tensor_map
         self.input_specs = input_specs
         self.stage_times: Dict[str, float] = {}
+        #: :class:`~qtorch_onnx.algorithms.cle.CLEReport` when the configuration asked for cross-layer equalization
+        self.cle_report = None
 
     def forward(self, *inputs: torch.Tensor):
         return self.gm(*inputs)
@@ -243,13 +245,31 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     from .training import make_trainable
 
     make_trainable(gm)
+    cle_report = float_rewrites(gm, cfg)
     plan = plan_quantization(gm.onnx_model, cfg)
     qm = attach_quantizers(gm, plan, cfg)
+    qm.cle_report = cle_report
     qm.stage_times["lift"] = t_lift
     qm.stage_times["place"] = time.perf_counter() - t0 - t_lift
     if device is not None:
         qm.to(device)
     return qm
+
+
+def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig):
+    """The float-model transforms the configuration asks for before placement, in place on the lifted model:
+    ReplaceClip6Relu, then cross-layer equalization (include_cle). Returns the
+    :class:`~qtorch_onnx.algorithms.cle.CLEReport` (None without CLE)."""
+    if not (cfg.replace_clip6_relu or cfg.cle is not None):
+        return None
+    from .algorithms.cle import cross_layer_equalization, replace_clip6_relu
+
+    replaced = replace_clip6_relu(gm) if cfg.replace_clip6_relu else []
+    if cfg.cle is None:
+        return None
+    report = cross_layer_equalization(gm, cfg.cle)
+    report.replaced_clips = replaced
+    return report
 
 
 def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig, setup: Any = None) -> QuantizedModel:

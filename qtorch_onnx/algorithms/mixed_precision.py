@@ -397,8 +397,11 @@ class _Builder:
         from ..training import make_trainable
 
         self.cfg = cfg
+        from ..quantizer import float_rewrites
+
         self.gm = lift(load_model(model), fold_batchnorm=True)
         make_trainable(self.gm)
+        float_rewrites(self.gm, cfg)  # ReplaceClip6Relu / CLE once: every build starts from the same float model
         self.calib = calib_samples
         self.device = device
         self.progress = progress

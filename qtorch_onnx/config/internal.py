@@ -58,6 +58,29 @@ class AutoMixprecisionSettings:
 
 
 @dataclass(frozen=True)
+class CLESettings:
+    """Cross-layer equalization (Nagel et al. 2019, "Data-Free Quantization Through Weight Equalization and Bias
+    Correction", arXiv 1906.04721), Quark's keys and defaults.
+
+    Attributes:
+        steps: sweeps over all pairs (CLESteps, default 1); -1 sweeps until the mean absolute weight change of
+            a sweep stops changing by more than ``total_layer_diff_threshold`` (at most 20 sweeps).
+        balance_method: per-channel range, ``"max"`` (of |w|) (CLEBalanceMethod).
+        weight_threshold / use_threshold: a channel whose two ranges sum to less than ``weight_threshold`` keeps
+            scale 1 when ``use_threshold`` (CLEWeightThreshold 0.5, CLEScaleUseThreshold True).
+        append_bias: the first layer's bias counts in its channel range (CLEScaleAppendBias True).
+        total_layer_diff_threshold: convergence threshold of ``steps = -1`` (CLETotalLayerDiffThreshold 1.9e-7).
+    """
+
+    steps: int = 1
+    balance_method: str = "max"
+    weight_threshold: float = 0.5
+    use_threshold: bool = True
+    append_bias: bool = True
+    total_layer_diff_threshold: float = 1.9e-7
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
     """Everything placement, calibration and export need, typed.
 
@@ -108,6 +131,8 @@ class ResolvedConfig:
     use_external_data_format: bool = False
     execution_providers: tuple = ("CPUExecutionProvider",)
     include_cle: bool = False
+    cle: Optional[CLESettings] = None  # set when include_cle
+    replace_clip6_relu: bool = False  # ReplaceClip6Relu: Clip(0, 6) nodes become Relu before quantization
     fast_finetune: Optional[FastFinetuneSettings] = None
     auto_mixprecision: Optional[AutoMixprecisionSettings] = None
     # quant format for export of integer Q/DQ: "QDQ" (ONNX Runtime's) or "ExtendedQDQ" (Quark's)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Optional
 from ..errors import ConfigError, UnsupportedFeatureError, closest
 from ..formats import spec as F
 from .enums import CALIB_ENUM_CLASSES, FORMAT_ENUM_CLASSES, TYPE_ENUM_CLASSES, enum_member_name
-from .internal import AutoMixprecisionSettings, FastFinetuneSettings, ResolvedConfig
+from .internal import AutoMixprecisionSettings, CLESettings, FastFinetuneSettings, ResolvedConfig
 
 # --------------------------------------------------------------------------------------------------------
 # Feature gating: the ONE table. Flipping a flag to True is all it takes to let configurations through.
@@ -65,7 +65,7 @@ IMPLEMENTED: dict[str, bool] = {
     "fast_finetune": True,
     "auto_mixprecision": True,
     "layerwise_mixprecision": True,
-    "cle": False,
+    "cle": True,
     "qoperator_format": False,
 }
 
@@ -103,6 +103,9 @@ EXTRA_OPTIONS_KEYS: tuple = (
     "TensorQuantOverrides",
     # mixed precision, fast finetune
     "MixedPrecisionTensor", "AutoMixprecision", "FastFinetune",
+    # cross-layer equalization (with include_cle) and the Clip(0, 6) -> Relu rewrite
+    "CLESteps", "CLEBalanceMethod", "CLEWeightThreshold", "CLEScaleUseThreshold", "CLEScaleAppendBias",
+    "CLETotalLayerDiffThreshold", "ReplaceClip6Relu",
 )
 
 #: Quark extra_options keys this version does not offer (UnsupportedFeatureError, not a typo).
@@ -118,13 +121,13 @@ QUARK_EXTRA_OPTIONS_NOT_SUPPORTED = frozenset({
     "ConvertAvgPoolToDPUVersion", "ConvertClipToDPUVersion", "ConvertReduceMeanToDPUVersion",
     "ConvertSoftmaxToDPUVersion", "NPULimitationCheck", "MaxLoopNum", "AdjustShiftCut", "AdjustShiftBias",
     "AdjustShiftRead", "AdjustShiftWrite", "AdjustHardSigmoid", "AdjustShiftSwish", "AlignPool", "AlignPad",
-    "AlignTranspose", "AlignReshape", "TensorsRangeFile", "ReplaceClip6Relu", "CopySharedInit", "CopyBiasInit",
+    "AlignTranspose", "AlignReshape", "TensorsRangeFile", "CopySharedInit", "CopyBiasInit",
     "RemoveQDQConvClip", "RemoveQDQConvRelu", "RemoveQDQConvLeakyRelu", "RemoveQDQConvPRelu",
     "RemoveQDQConvGelu", "RemoveQDQMulAdd", "RemoveQDQBetweenOps", "RemoveQDQInstanceNorm", "FoldBatchNorm",
     "BF16WithClip", "FixShapes", "CalibDataSize", "CalibOptimizeMem", "CalibWorkerNum", "SaveTensorHistFig",
     "WeightsOnly", "EnableVaimlBF16", "UseGPTQ", "GPTQParams", "UseMatMulNBits", "MatMulNBitsParams",
     "EvalMetrics", "EvalDataReader", "TmpDir", "UserCustomOpLibPath", "EncryptionAlgorithm",
-    "MinMSEModeFloatScale", "CLESteps", "CLETotalLayerDiffThreshold", "CLEScaleAppendBias", "SmoothAlpha",
+    "MinMSEModeFloatScale", "SmoothAlpha",
     "DebugMode", "CryptoMode", "PrintSummary", "IgnoreWarnings", "LogSeverityLevel", "OpTypesToQuantize",
     "NodesToQuantize", "ExtraOpTypesToQuantize", "ExecutionProviders", "OptimizeModel", "ConvertFP16ToFP32",
     "ConvertNCHWToNHWC", "QDQKeepRemovableActivations", "QDQDisableWeightAdjustForInt32Bias",
@@ -485,6 +488,29 @@ def _parse(qc: Any) -> _Parsed:
                 if f is not None and is_block_format(f):
                     _need(features, "block_formats", f"TensorQuantOverrides type {f.name}")
     kw["tensor_quant_overrides"] = overrides
+
+    # --- cross-layer equalization ---------------------------------------------------------------------
+    cle_keys = [k for k in ("CLESteps", "CLEBalanceMethod", "CLEWeightThreshold", "CLEScaleUseThreshold",
+                            "CLEScaleAppendBias", "CLETotalLayerDiffThreshold") if k in eo]
+    if cle_keys and not include_cle:
+        raise ConfigError(f"{W}: {', '.join(cle_keys)} configure cross-layer equalization, which is off: set "
+                          "include_cle=True (or drop the keys)")
+    if include_cle:
+        d = CLESettings()
+        steps = _int(eo.get("CLESteps", d.steps), f"{W}['CLESteps']", -1)
+        if steps == 0:
+            raise ConfigError(f"{W}['CLESteps'] must be >= 1 (sweeps) or -1 (until converged), got 0")
+        method = eo.get("CLEBalanceMethod", d.balance_method)
+        if method != "max":
+            raise ConfigError(f"{W}['CLEBalanceMethod'] {method!r}: valid: 'max'")
+        kw["cle"] = CLESettings(
+            steps=steps, balance_method=method,
+            weight_threshold=_float(eo.get("CLEWeightThreshold", d.weight_threshold), f"{W}['CLEWeightThreshold']", 0.0),
+            use_threshold=_bool(eo.get("CLEScaleUseThreshold", d.use_threshold), f"{W}['CLEScaleUseThreshold']"),
+            append_bias=_bool(eo.get("CLEScaleAppendBias", d.append_bias), f"{W}['CLEScaleAppendBias']"),
+            total_layer_diff_threshold=_float(eo.get("CLETotalLayerDiffThreshold", d.total_layer_diff_threshold),
+                                              f"{W}['CLETotalLayerDiffThreshold']", 0.0, lo_open=True))
+    kw["replace_clip6_relu"] = _bool(eo.get("ReplaceClip6Relu", False), f"{W}['ReplaceClip6Relu']")
 
     # --- AutoMixprecision -----------------------------------------------------------------------------
     if include_auto_mp and "AutoMixprecision" not in eo:

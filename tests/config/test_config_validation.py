@@ -316,8 +316,9 @@ def test_qoperator_is_gated():
 
 
 def test_gated_features_hand_built():
-    _raises(UnsupportedFeatureError, ["cross-layer equalization"], resolve_config,
-            QuantizationConfig(include_cle=True))
+    # cross-layer equalization is implemented (tests/algorithms/test_cle.py): Quark's keys and defaults
+    r = resolve_config(QuantizationConfig(include_cle=True))
+    assert r.include_cle and r.cle.steps == 1 and r.cle.append_bias and r.cle.weight_threshold == 0.5
     _raises(UnsupportedFeatureError, ["fast finetune"], resolve_config, QuantizationConfig(include_fast_ft=True))
     _raises(UnsupportedFeatureError, ["block formats"], resolve_config,
             QuantizationConfig(activation_type=ExtendedQuantType.QMX, quant_format=ExtendedQuantFormat.QDQ))

@@ -1,0 +1,155 @@
+"""Cross-layer equalization (include_cle, Quark's CLE keys) and ReplaceClip6Relu on small models."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import qtorch_onnx as qo
+from qtorch_onnx import CalibrationMethod, Config, QuantizationConfig, QuantType
+from qtorch_onnx.algorithms.cle import cross_layer_equalization, equalization_pairs
+from qtorch_onnx.config.internal import CLESettings
+from qtorch_onnx.data import to_samples
+from qtorch_onnx.runtime import check_parity
+
+from ..quant.small_models import cnn
+
+
+def dw_separable(clip6: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """x [N,4,8,8] -> Conv 3x3 (8, channel scales spread over 100x) -> Relu|Clip6 -> Pad(zero) -> depthwise
+    Conv 3x3 -> Relu|Clip6 -> pointwise Conv (6) -> GlobalAveragePool -> Flatten -> Gemm (5)."""
+    rng = np.random.default_rng(seed)
+    spread = np.logspace(-1, 1, 8).astype(np.float32)  # per-channel magnitudes 0.1 .. 10
+    w1 = (rng.normal(0, 1, (8, 4, 3, 3)) * spread[:, None, None, None]).astype(np.float32)
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("w1", w1), ("b1", rng.normal(0, 0.1, 8) * spread), ("wd", rng.normal(0, 1, (8, 1, 3, 3)) / spread[:, None, None, None]),
+        ("bd", rng.normal(0, 0.1, 8)), ("wp", rng.normal(0, 0.3, (6, 8, 1, 1))), ("bp", rng.normal(0, 0.1, 6)),
+        ("fw", rng.normal(0, 0.3, (5, 6))), ("fb", rng.normal(0, 0.1, 5)))]
+    inits += [numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "pads"),
+              numpy_helper.from_array(np.array(0.0, np.float32), "lo"), numpy_helper.from_array(np.array(6.0, np.float32), "hi")]
+
+    def act(x, y, name):
+        return helper.make_node("Clip", [x, "lo", "hi"], [y], name=name) if clip6 else \
+            helper.make_node("Relu", [x], [y], name=name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             act("c1", "a1", "act1"),
+             helper.make_node("Pad", ["a1", "pads"], ["p1"], name="pad1"),
+             helper.make_node("Conv", ["p1", "wd", "bd"], ["c2"], name="dw", group=8),
+             act("c2", "a2", "act2"),
+             helper.make_node("Conv", ["a2", "wp", "bp"], ["c3"], name="pw"),
+             helper.make_node("GlobalAveragePool", ["c3"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flat", axis=1),
+             helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], name="fc", transB=1)]
+    g = helper.make_graph(nodes, "dws", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def data(n=4, seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.normal(0, 1, (1, 4, 8, 8)).astype(np.float32)} for _ in range(n)]
+
+
+def _lifted(model):
+    from qtorch_onnx.training import make_trainable
+
+    gm = qo.lift(model, fold_batchnorm=True).eval()
+    make_trainable(gm)
+    return gm
+
+
+def test_pairs_and_float_equivalence():
+    gm = _lifted(dw_separable())
+    pairs = equalization_pairs(gm)
+    assert [(a, b) for a, b, _ in pairs] == [("conv1", "dw"), ("dw", "pw"), ("pw", "fc")]
+    assert pairs[0][2] == ["act1", "pad1"]  # through Relu and the zero Pad
+    assert pairs[2][2] == ["gap", "flat"]  # a pooled [N, C, 1, 1] flattened keeps channel i as feature i
+    x = torch.from_numpy(np.concatenate([d["x"] for d in data()]))
+    with torch.no_grad():
+        before = gm(x).clone()
+    w1 = gm.get_submodule(gm.tensor_map.graph.nodes["conv1"].module).weight
+    r = w1.detach().abs().reshape(8, -1).amax(1)
+    ratio = float(r.max() / r.min())
+    rep = cross_layer_equalization(gm, CLESettings(steps=-1, use_threshold=False, append_bias=False))
+    with torch.no_grad():
+        after = gm(x)
+    assert torch.allclose(before, after, rtol=1e-4, atol=1e-5)  # the float function is unchanged
+    assert rep.sweeps >= 2 and rep.range_ratio_after["conv1"] < ratio / 5
+    # after convergence each channel's two ranges agree (the definition of equalized)
+    wd = gm.get_submodule(gm.tensor_map.graph.nodes["dw"].module).weight
+    r1 = w1.detach().abs().reshape(8, -1).amax(1)
+    r2 = wd.detach().abs().reshape(8, -1).amax(1)  # depthwise: input channel i is weight row i
+    assert torch.allclose(r1, r2, rtol=1e-3)
+
+
+def test_include_cle_lowers_per_tensor_error_and_exports_bit_exact():
+    def quantized_error(cle, **extra):
+        cfg = Config(global_quant_config=QuantizationConfig(
+            calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8, per_channel=False, include_cle=cle, extra_options=extra))
+        qm = qo.prepare(dw_separable(), cfg)
+        qo.calibrate(qm, data(8), progress=False)
+        s = to_samples(data(8, seed=3), qm.input_specs)
+        with torch.no_grad(), qo.fake_quant_disabled(qm):
+            f = torch.cat([qm(*x) for x in s])
+        with torch.no_grad():
+            q = torch.cat([qm(*x) for x in s])
+        return float((q - f).norm() / f.norm()), qm
+
+    plain, _ = quantized_error(False)
+    equalized, qm = quantized_error(True, CLESteps=-1)
+    assert qm.cle_report is not None and len(qm.cle_report.pairs) == 3
+    assert equalized < 0.7 * plain, (plain, equalized)
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rep = check_parity(qm, exported, qmap, to_samples(data(2), qm.input_specs), opt_levels=("ORT_DISABLE_ALL",))
+    assert rep.nodes and all(n.exact for n in rep.nodes)
+    # the exported float initializers are the equalized ones
+    w1 = {t.name: numpy_helper.to_array(t) for t in exported.graph.initializer}
+    assert not any(np.array_equal(v, numpy_helper.to_array(dw_separable().graph.initializer[0]))
+                   for v in w1.values() if v.shape == (8, 4, 3, 3))
+
+
+def test_replace_clip6_relu_opens_the_pairs():
+    gm = _lifted(dw_separable(clip6=True))
+    assert [(a, b) for a, b, _ in equalization_pairs(gm)] == [("pw", "fc")]  # ReLU6 is not homogeneous
+    cfg = Config(global_quant_config=QuantizationConfig(
+        calibrate_method=CalibrationMethod.MinMax, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+        include_cle=True, extra_options={"ReplaceClip6Relu": True}))
+    qm = qo.prepare(dw_separable(clip6=True), cfg)
+    assert qm.cle_report.replaced_clips == ["act1", "act2"] and len(qm.cle_report.pairs) == 3
+    assert [n.op_type for n in qm.onnx_model.graph.node if n.name in ("act1", "act2")] == ["Relu", "Relu"]
+    qo.calibrate(qm, data(4), progress=False)
+    _ = qo.export(qm, None)
+
+
+def test_no_pair_warns_and_keys_need_include_cle():
+    qm_cfg = Config(global_quant_config=QuantizationConfig(include_cle=True))
+    with pytest.warns(UserWarning, match="no Conv/Gemm pair"):
+        qm = qo.prepare(_single_conv(), qm_cfg)
+    assert qm.cle_report.pairs == []
+    with pytest.raises(qo.ConfigError, match="CLESteps.*include_cle=True"):
+        qo.prepare(cnn(), Config(global_quant_config=QuantizationConfig(extra_options={"CLESteps": 2})))
+    with pytest.raises(qo.ConfigError, match="CLESteps.*-1"):
+        qo.prepare(cnn(), Config(global_quant_config=QuantizationConfig(include_cle=True,
+                                                                        extra_options={"CLESteps": 0})))
+    with pytest.raises(qo.ConfigError, match="CLEBalanceMethod.*'max'"):
+        qo.prepare(cnn(), Config(global_quant_config=QuantizationConfig(
+            include_cle=True, extra_options={"CLEBalanceMethod": "avg"})))
+
+
+def _single_conv():
+    w = numpy_helper.from_array(np.ones((2, 1, 1, 1), np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="c")], "one",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 4, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4, 4])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
