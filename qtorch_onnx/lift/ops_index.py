@@ -410,3 +410,40 @@ def _tfidf(node: OnnxNode, graph: OnnxGraph):
 
 
 register_versions("TfIdfVectorizer", 9, _tfidf)
+
+
+# ============================================================================ Slice-10/11/13
+def slice_tensor(x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, axes=None, steps=None) -> torch.Tensor:
+    """ONNX Slice with run-time starts / ends / axes / steps (1-D integer tensors), indexed with a tuple.
+
+    A negative step flips that axis and slices it forward from ``-start - 1`` to ``-end - 1`` (Python slicing
+    then clamps out-of-range bounds as ONNX does). onnx2torch's module indexes with a *list* of slices, which
+    torch deprecates (a future torch reads it as a tensor index); this is the same computation with a tuple.
+    """
+    n = int(starts.numel())
+    axes_l = list(range(n)) if axes is None else [int(a) for a in axes.reshape(-1).tolist()]
+    steps_l = [1] * n if steps is None else [int(s) for s in steps.reshape(-1).tolist()]
+    index = [slice(None)] * x.dim()
+    flips = []
+    for start, end, axis, step in zip(starts.reshape(-1).tolist(), ends.reshape(-1).tolist(), axes_l, steps_l):
+        axis %= x.dim()
+        if step < 0:
+            flips.append(axis)
+            start, end, step = -start - 1, -end - 1, -step
+        size = int(x.shape[axis])  # bounds clamped as Python slicing would (torch warns on huge ones)
+        start, end = (max(-size - 1, min(v, size + 1)) for v in (start, end))
+        index[axis] = slice(start, end, min(step, size + 1))
+    if flips:
+        x = torch.flip(x, dims=flips)
+    return x[tuple(index)]
+
+
+class OnnxSliceTuple(nn.Module, OnnxToTorchModule):
+    """ONNX Slice-10/11/13 (inputs: data, starts, ends[, axes[, steps]]): :func:`slice_tensor`."""
+
+    def forward(self, x: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, axes=None, steps=None):  # noqa: D102
+        return slice_tensor(x, starts, ends, axes, steps)
+
+
+# onnx2torch registers Slice-10/11/13 with a list index (a torch deprecation warning on every call): overridden
+register_versions("Slice", 10, lambda node, graph: result(OnnxSliceTuple(), node), override=[10, 11, 13])
