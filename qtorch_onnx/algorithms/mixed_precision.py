@@ -10,7 +10,9 @@ gradient of the output distance to the float model), and its rank agreement (Spe
 ``auto_mixed_precision(model, data, wide=..., narrow=..., target=...)`` first evaluates all-wide (a target it
 misses ends the search: all-wide) and all-narrow (a target it meets ends it: all-narrow), with no sensitivity
 pass. Otherwise it sorts the layers by measured sensitivity and searches over how many of the least sensitive
-go narrow: the first probes sit where the single-layer effects, added up, put the boundary, then bisection.
+go narrow: the first probes sit where the single-layer effects, added up, put the boundary, then bisection;
+then (``fill``) each layer after the first one that broke the target is tried on the chosen mix, one forward
+pass each, and the layers that fit are built into the final set.
 Every probe is a real mixed model (placed by the layer-wise machinery with exactly those nodes promoted, so
 precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated and evaluated: O(log L)
 full evaluations. The choice is then exported and measured again in ONNX Runtime; while it misses the target
@@ -760,6 +762,7 @@ class AutoMixedPrecisionResult:
     seconds: float
     message: str = ""
     verified: List[Tuple[int, float]] = field(default_factory=list)
+    fill_passes: int = 0
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -776,7 +779,7 @@ class AutoMixedPrecisionResult:
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
-               "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
+               "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified, "fill_forward_passes": self.fill_passes,
                "sensitivity_suffix_fraction": self.sensitivity.suffix_fraction, "layers": layers}
         paths = {"json": os.path.join(folder, "auto_mp.json"), "plan": os.path.join(folder, "plan.json"),
                  "sensitivity": os.path.join(folder, "sensitivity.png"),
@@ -832,7 +835,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                          dual_quant_nodes: bool = False, eval_data: Any = None, device=None, progress: bool = True,
                          report_dir: Optional[str] = None, search: str = "bisect",
                          budget_bytes: Optional[float] = None, pareto_points: int = 0,
-                         verify: Optional[str] = "onnxruntime", gradient: bool = False):
+                         verify: Optional[str] = "onnxruntime", gradient: bool = False, fill: bool = True):
     """Find the largest set of layers that can take the narrow format while ``metric <= target`` holds.
 
     Args:
@@ -850,6 +853,10 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             whose narrowing brings the weights within it go narrow (one evaluation). ``target`` and
             ``budget_bytes`` may not both be given.
         pareto_points: also evaluate this many evenly spaced mixes (accuracy vs size, in the report and plot).
+        fill: after the bisection (which stops at the first layer, in sensitivity order, that breaks the
+            target), try each later layer on the chosen mix (one forward pass each) and keep those that fit;
+            the resulting set is then built, calibrated and evaluated like every probe (Quark's one-by-one
+            promotion, without its O(L) full builds).
         gradient: also compute the sensitivity's one-backward-pass estimate and its Spearman agreement with
             the measured ranking (reported; the search uses the measurement).
         verify: ``"onnxruntime"`` (default): the chosen mix is exported and its metric measured again in ONNX
@@ -932,6 +939,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
 
     evaluated: List[Tuple[int, float, float]] = []
     cache: Dict[int, Tuple[float, Any]] = {}  # k -> (metric, model): k = 0 and k = n do not depend on the order
+    fill_passes = 0
 
     def probe(k: int):
         if k not in cache:
@@ -1004,6 +1012,38 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             k = lo
             message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
                       f"{cache[k + 1][0]:.6g})"
+            if fill and k + 1 < n:
+                # the layers after the first that breaks the target, tried one by one on the chosen mix (its
+                # quantizers swapped in, one forward pass each, kept while the target holds), then the whole
+                # set built and calibrated for real: the sorted order stops at the first too-sensitive layer,
+                # this does not
+                base, narrow_model = cache[k][1], builder.promoted(names, act_n, w_n, target_op_type,
+                                                                   dual_quant_nodes)
+                accepted, active = [], []
+                try:
+                    for name in order[k + 1:]:
+                        patch = _Patch(base, narrow_model, name).__enter__()
+                        fill_passes += 1
+                        if fn(float_outs, run_outputs(base, evals, output_index)) <= target:
+                            accepted.append(name)
+                            active.append(patch)
+                        else:
+                            patch.__exit__(None, None, None)
+                finally:
+                    for patch in reversed(active):
+                        patch.__exit__(None, None, None)
+                if accepted:
+                    order = order[:k] + accepted + [m for m in order[k:] if m not in accepted]
+                    for j in [j for j in cache if k < j < n]:
+                        del cache[j]  # prefixes longer than k are other sets in the new order
+                    k2 = k + len(accepted)
+                    if probe(k2)[0] <= target:
+                        message += (f"; {len(accepted)} more layers after it fit one by one: {k2} of {n} narrow "
+                                    f"({mname} = {cache[k2][0]:.6g})")
+                        k = k2
+                    else:
+                        message += (f"; {len(accepted)} more layers fit one by one but not together when "
+                                    f"built ({mname} = {cache[k2][0]:.6g})")
     def plan_for(j: int) -> MixedPrecisionPlan:
         return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
                                   dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
@@ -1043,7 +1083,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         qm.config = plan.apply(cfg)
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
-                                      message=message, verified=verified)
+                                      message=message, verified=verified, fill_passes=fill_passes)
     qm.auto_mp_result = result
     if report_dir is not None:
         result.save(report_dir)

@@ -264,3 +264,38 @@ def test_choice_is_verified_in_onnxruntime_and_steps_back(monkeypatch):
         auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, verify="tensorrt",
                              progress=False)
 
+
+
+def test_fill_adds_the_layers_after_a_misranked_one(monkeypatch):
+    """When the sorted order puts a sensitive layer early (here: the measured ranking reversed), bisection stops
+    at it; ``fill`` tries each later layer on the chosen mix and keeps those that fit, then builds the set for
+    real: more layers narrow, the target still met by the built model."""
+    from qtorch_onnx.algorithms import mixed_precision as mp
+
+    real = mp.sensitivity
+
+    def reversed_ranking(*a, **k):
+        rep = real(*a, **k)
+        c = rep.candidates[0]
+        vals = sorted(l.measured[c] for l in rep.layers)
+        ranked = sorted(rep.layers, key=lambda l: l.measured[c])
+        for l, v in zip(ranked, reversed(vals)):
+            l.measured[c] = v
+        return rep
+
+    monkeypatch.setattr(mp, "sensitivity", reversed_ranking)
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+                                         progress=False, verify=None)
+    target = res_all.wide_value + 0.7 * (res_all.narrow_value - res_all.wide_value)
+    kw = dict(wide="A16W8", narrow=("INT8", "INT4"), target=target, progress=False, verify=None)
+    p0, _, r0 = auto_mixed_precision(cnn(), calib_data(8), fill=False, **kw)
+    p1, qm1, r1 = auto_mixed_precision(cnn(), calib_data(8), **kw)
+    assert len(p1.promoted_nodes) > len(p0.promoted_nodes) and r1.fill_passes > 0, (r0.message, r1.message)
+    assert set(p0.promoted_nodes) < set(p1.promoted_nodes) and "fit one by one" in r1.message
+    # the returned model is the built set, and meets the target
+    s = to_samples(calib_data(8), qm1.input_specs)
+    with qo.fake_quant_disabled(qm1):
+        f = run_outputs(qm1, s, 0)
+    _, fn = resolve_metric("l2")
+    assert fn(f, run_outputs(qm1, s, 0)) <= target and r1.plan.value <= target
+    assert sorted(qm1.config.auto_mixprecision.promoted_nodes) == sorted(p1.promoted_nodes)
