@@ -105,20 +105,11 @@ def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike], *,
     os.makedirs(folder, exist_ok=True)
     if external_data is None:
         external_data = _initializer_bytes(model) > _PROTO_LIMIT
+    if not external_data:
+        save_bytes_atomic(model.SerializeToString(), path)
+        return
     umask = os.umask(0)
     os.umask(umask)
-    if not external_data:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".onnx", dir=folder)
-        os.close(fd)
-        try:
-            onnx.save(model, tmp)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return
     location = os.path.basename(path) + ".data"
     work = tempfile.mkdtemp(prefix=".tmp_", dir=folder)
     try:
