@@ -70,6 +70,28 @@ def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
     rec["checks"]["qat_loss_finite"] = all(np.isfinite(losses))
     rec["checks"]["qat_parameters_changed"] = bool(changed) or steps == 0
     qm.eval()
+    # sensitivity sweep on the device: each layer switched to INT8 (BFP16 for float configs) from its branch
+    # point must give exactly the outputs of a full forward pass with that layer switched
+    from qtorch_onnx.algorithms import mixed_precision as mp
+    from qtorch_onnx.formats.spec import get_format
+
+    narrow_fmt = get_format("INT8" if config in ("A8W8", "A16W8") else "BFP16")
+    names = mp._target_layer_names(qm, mp.DEFAULT_TARGET_OPS)[:6]
+    builder = mp._Builder(qm.onnx_model, qm.config, samples, device, False)
+    narrow = builder.promoted(names, narrow_fmt, narrow_fmt, mp.DEFAULT_TARGET_OPS, False)
+    patches = {n: mp._Patch(qm, narrow, n) for n in names}
+    t = time.perf_counter()
+    swept, frac = mp._patched_outputs(qm, samples, 0, patches, False, "sweep")
+    rec["sensitivity_sweep_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    same = True
+    for n in names:
+        with patches[n]:
+            full = mp.run_outputs(qm, samples, 0)
+        same &= all(np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32)) for a, b in zip(full, swept[n]))
+    rec["sensitivity_full_passes_s"] = time.perf_counter() - t
+    rec["sensitivity_sweep_fraction"] = frac
+    rec["checks"]["sensitivity_sweep_equals_full_passes"] = bool(same)
     # fast finetune, a few iterations
     t = time.perf_counter()
     algo = "adaround" if config in ("A8W8", "A16W8") else "adaquant"

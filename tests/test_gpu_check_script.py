@@ -31,3 +31,5 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
     assert rc == 0, rep
     assert [r["config"] for r in rep["results"]] == ["A8W8", "MX9"]
     assert all(r["checks"]["ort_nodes_bit_exact"] for r in rep["results"])
+    assert all(r["checks"]["sensitivity_sweep_equals_full_passes"] for r in rep["results"])
+    assert all(0 < r["sensitivity_sweep_fraction"] < 1 for r in rep["results"])
