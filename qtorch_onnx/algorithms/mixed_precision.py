@@ -750,8 +750,9 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
 class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
-    model builds (each: place, calibrate, evaluate), the time, and the ONNX Runtime checks of the choice
-    ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned mix)."""
+    model builds (each: place, calibrate, evaluate), the time (``stage_seconds``: prepare, sensitivity, search,
+    fill, verify), and the ONNX Runtime checks of the choice ``(number of narrow layers, metric in ONNX
+    Runtime)`` (the last one is the returned mix)."""
 
     plan: MixedPrecisionPlan
     sensitivity: SensitivityReport
@@ -763,6 +764,7 @@ class AutoMixedPrecisionResult:
     message: str = ""
     verified: List[Tuple[int, float]] = field(default_factory=list)
     fill_passes: int = 0
+    stage_seconds: Dict[str, float] = field(default_factory=dict)
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -780,6 +782,7 @@ class AutoMixedPrecisionResult:
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
                "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified, "fill_forward_passes": self.fill_passes,
+               "stage_seconds": self.stage_seconds,
                "sensitivity_suffix_fraction": self.sensitivity.suffix_fraction, "layers": layers}
         paths = {"json": os.path.join(folder, "auto_mp.json"), "plan": os.path.join(folder, "plan.json"),
                  "sensitivity": os.path.join(folder, "sensitivity.png"),
@@ -928,11 +931,13 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         nonlocal sens, order
         if not math.isnan(sens.baseline):
             return
+        t_sens = time.perf_counter()
         sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
                            output_index=output_index, target_op_type=target_op_type, progress=progress,
                            dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder,
                            _reference=(float_outs, cache[0][0]))
         order = sens.order()
+        stage_seconds["sensitivity"] += time.perf_counter() - t_sens
 
     def size(k: int) -> float:
         return sum(layer_bytes[n][cname] if i < k else layer_bytes[n]["wide"] for i, n in enumerate(order))
@@ -940,15 +945,25 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     evaluated: List[Tuple[int, float, float]] = []
     cache: Dict[int, Tuple[float, Any]] = {}  # k -> (metric, model): k = 0 and k = n do not depend on the order
     fill_passes = 0
+    stage_seconds = {"prepare": time.perf_counter() - t0, "sensitivity": 0.0, "search": 0.0, "fill": 0.0,
+                     "verify": 0.0}
+
+    from tqdm.auto import tqdm
+
+    search_bar = tqdm(desc="mixed precision search", unit="build", disable=not progress, leave=False)
 
     def probe(k: int):
         if k not in cache:
             if 0 < k < n:
                 measure_sensitivity()
+            t_probe = time.perf_counter()
             qm_k = qm_wide if k == 0 else builder.promoted(order[:k], act_n, w_n, target_op_type, dual_quant_nodes)
             v = fn(float_outs, run_outputs(qm_k, evals, output_index))
             cache[k] = (v, qm_k)
             evaluated.append((k, v, size(k)))
+            stage_seconds["search"] += time.perf_counter() - t_probe
+            search_bar.update(1)
+            search_bar.set_postfix_str(f"{k} narrow: {mname} {v:.4g} (target {target if target is not None else '-'})")
         return cache[k]
 
     n = len(order)
@@ -1017,6 +1032,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                 # quantizers swapped in, one forward pass each, kept while the target holds), then the whole
                 # set built and calibrated for real: the sorted order stops at the first too-sensitive layer,
                 # this does not
+                t_fill = time.perf_counter()
                 base, narrow_model = cache[k][1], builder.promoted(names, act_n, w_n, target_op_type,
                                                                    dual_quant_nodes)
                 accepted, active = [], []
@@ -1032,6 +1048,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                 finally:
                     for patch in reversed(active):
                         patch.__exit__(None, None, None)
+                stage_seconds["fill"] += time.perf_counter() - t_fill
                 if accepted:
                     order = order[:k] + accepted + [m for m in order[k:] if m not in accepted]
                     for j in [j for j in cache if k < j < n]:
@@ -1054,6 +1071,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         # the emulation's choice measured again where it is deployed; one layer fewer while it misses there
         from ..export import export as _export
 
+        t_verify = time.perf_counter()
         eps = tuple(cfg.execution_providers)
         ort_ref = _ort_outputs(proto, evals, output_index, eps)
         while k > 0:
@@ -1066,6 +1084,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                     break
             k -= 1
             probe(k)
+        stage_seconds["verify"] += time.perf_counter() - t_verify
         if not verified or verified[-1][1] > target:
             message += (f"; in ONNX Runtime no mix with narrow layers meets the target (checked "
                         f"{', '.join(f'{j} narrow: {v:.6g}' for j, v in verified)}): returning all-wide")
@@ -1083,7 +1102,9 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         qm.config = plan.apply(cfg)
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
-                                      message=message, verified=verified, fill_passes=fill_passes)
+                                      message=message, verified=verified, fill_passes=fill_passes,
+                                      stage_seconds=stage_seconds)
+    search_bar.close()
     qm.auto_mp_result = result
     if report_dir is not None:
         result.save(report_dir)

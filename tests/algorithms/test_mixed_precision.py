@@ -69,6 +69,9 @@ def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
             assert 0 < len(plan.promoted_nodes) < 4
         assert plans["bisect"] == plans["exhaustive"]
     assert res.builds <= 2 + 4 + 1
+    assert set(res.stage_seconds) == {"prepare", "sensitivity", "search", "fill", "verify"}
+    assert all(v >= 0 for v in res.stage_seconds.values()) and res.stage_seconds["sensitivity"] > 0
+    assert sum(res.stage_seconds.values()) <= res.seconds * 1.5
     for f in ("auto_mp.json", "plan.json", "sensitivity.png", "accuracy_vs_size.png"):
         assert (tmp_path / f"bisect0.6" / f).stat().st_size > 100
 
