@@ -107,10 +107,11 @@ def ort_outputs(path: str, samples: List[Dict[str, np.ndarray]]) -> List[np.ndar
 
 # ---------------------------------------------------------------------------------------------- Quark side
 class Quark:
-    """Runs ``_quark_amp_worker.py`` in Quark's venv (no qtorch_onnx there)."""
+    """Runs a worker script (default ``_quark_amp_worker.py``) in Quark's venv (no qtorch_onnx there)."""
 
-    def __init__(self, venv: Path):
+    def __init__(self, venv: Path, worker: Path = WORKER):
         self.venv = venv
+        self.worker = worker
         self.python = venv / "bin" / "python"
         if not self.python.is_file():
             raise SystemExit(f"Quark's venv not found at {venv}: create it with `python benchmarks/quark_interop.py` "
@@ -127,7 +128,7 @@ class Quark:
                 json.dump(job, fh)
             t0 = time.perf_counter()
             with open(log_path, "a") as log:
-                r = subprocess.run([str(self.python), str(WORKER), jp], cwd=d, env=env, stdout=log,
+                r = subprocess.run([str(self.python), str(self.worker), jp], cwd=d, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, timeout=timeout, stdin=subprocess.DEVNULL)
             if r.returncode != 0 or not os.path.isfile(job["result"]):
                 raise RuntimeError(f"Quark worker failed (exit {r.returncode}); see {log_path}")

@@ -20,8 +20,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -76,22 +74,18 @@ class _Reader:
 
 
 def run_quark(venv: Path, model: str, calib, names, runs, work: Path) -> Dict[str, dict]:
-    py = venv / "bin" / "python"
-    if not py.is_file():
+    from auto_mp_vs_quark import Quark  # this folder's runner of Quark's venv (environment, job, result)
+
+    if not (venv / "bin" / "python").is_file():
         return {r["name"]: {"ok": False, "error": f"no Quark venv at {venv}"} for r in runs}
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env["TORCH_EXTENSIONS_DIR"] = str(venv / "torch_extensions")
     np.savez(work / "calib.npz", count=np.array(len(calib)),
              **{f"s{i}_{j}": s[n] for i, s in enumerate(calib) for j, n in enumerate(names)})
-    job = {"model": model, "calib": str(work / "calib.npz"), "input_names": names, "runs": runs,
-           "result": str(work / "quark_result.json")}
-    (work / "quark_job.json").write_text(json.dumps(job))
-    with open(work / "quark_worker.log", "a") as log:
-        subprocess.run([str(py), str(HERE / "_quark_cle_worker.py"), str(work / "quark_job.json")], env=env,
-                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=3600)
-    if not (work / "quark_result.json").is_file():
-        return {r["name"]: {"ok": False, "error": f"worker failed, see {work / 'quark_worker.log'}"} for r in runs}
-    return {r["name"]: r for r in json.loads((work / "quark_result.json").read_text())["results"]}
+    job = {"model": model, "calib": str(work / "calib.npz"), "input_names": names, "runs": runs}
+    try:
+        res = Quark(venv, worker=HERE / "_quark_cle_worker.py").run(job, work / "quark_worker.log")
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # reported in the table, never fatal
+        return {r["name"]: {"ok": False, "error": str(exc)} for r in runs}
+    return {r["name"]: r for r in res["results"]}
 
 
 def main(argv=None) -> dict:

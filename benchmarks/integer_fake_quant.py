@@ -17,32 +17,12 @@ Prints the device first; results are recorded in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 
-import numpy as np
 import torch
+from block_formats import _device_name, _time  # this folder's block-format benchmark: one timing rule
 
 from qtorch_onnx.formats import integer as I
 from qtorch_onnx.formats.spec import INT8, INT16
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn, device: torch.device, reps: int) -> float:
-    """Seconds per call: the median of ``reps`` timed calls after one warm-up call."""
-    fn()
-    _sync(device)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _reference(x, s, z, fmt, axis):
@@ -62,8 +42,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"device: {device} ({_device_name(device)}), torch {torch.__version__}")
     print(f"{'case':34s} {'reference ms':>13s} {'ours ms':>9s} {'speedup':>8s} {'copy ms':>8s} {'ours/copy':>9s}")
     gen = torch.Generator().manual_seed(0)
     for mb in args.sizes_mb:

@@ -324,9 +324,9 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     for dom in (QUARK_DOMAIN, "com.microsoft"):
         if any(n.domain == dom for n in ordered) and not any(o.domain == dom for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(dom, 1))
-    external = bool(getattr(getattr(qm, "config", None), "use_external_data_format", False)) \
-        or _initializer_bytes(model) > _PROTO_LIMIT
-    if check and _initializer_bytes(model) <= _PROTO_LIMIT:  # the checker serializes the model
+    too_big = _initializer_bytes(model) > _PROTO_LIMIT
+    external = bool(getattr(getattr(qm, "config", None), "use_external_data_format", False)) or too_big
+    if check and not too_big:  # the checker serializes the model
         try:
             onnx.checker.check_model(model, full_check=True)
         except Exception as exc:

@@ -123,7 +123,7 @@ def _override_error(tensor: str, msg: str) -> ConfigError:
     return ConfigError(f"extra_options['TensorQuantOverrides'][{tensor!r}]: {msg}")
 
 
-def _activation_overrides(t: str, entries: list, cfg: ResolvedConfig) -> Tuple[Tuple[str, object], ...]:
+def _activation_overrides(t: str, entries: list) -> Tuple[Tuple[str, object], ...]:
     """The fixed qparams / range of an activation's (per-tensor) override.
 
     Raises:
@@ -157,11 +157,11 @@ def _weight_overrides(t: str, entries: list, info: "GraphInfo", cfg: ResolvedCon
     if any("convert" in e for e in entries):
         raise _override_error(t, "'convert' applies to activations only, as in ONNX Runtime; this tensor is an "
                                  "initializer")
-    if first.get("reduce_range", cfg.reduce_range) and cfg.power_of_two:
+    reduce = bool(first.get("reduce_range", cfg.reduce_range))
+    if reduce and cfg.power_of_two:
         raise _override_error(t, "'reduce_range' cannot be combined with power-of-two scales (XINT8 / "
                                  "enable_npu_cnn): there is no reduced power-of-two rule")
-    flags: Tuple[Tuple[str, object], ...] = (("reduce_range", True),) \
-        if first.get("reduce_range", cfg.reduce_range) else ()
+    flags: Tuple[Tuple[str, object], ...] = (("reduce_range", True),) if reduce else ()
     if "axis" not in first:
         return None, tuple((k, first[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in first) + flags
     dims = list(info.initializers[t].dims)
@@ -192,8 +192,7 @@ def _weight_overrides(t: str, entries: list, info: "GraphInfo", cfg: ResolvedCon
     return axis, tuple(fixed) + flags
 
 
-def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: "GraphInfo", cfg: ResolvedConfig
-                   ) -> Dict[str, "QuantSpec"]:
+def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: "GraphInfo") -> Dict[str, "QuantSpec"]:
     """Consumer-side quantizers for ONNX Runtime's ``convert`` override: each node of ``recv_nodes`` (default:
     every reader of ``t``) reads ``t`` quantized with its own type, then with ``convert['quant_type']``
     (Q/DQ of the first type, then Q/DQ of the second, before that node only).
@@ -449,10 +448,10 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
         if is_init:
             changes["axis"], fixed = _weight_overrides(t, entries, info, cfg)
         else:
-            fixed = _activation_overrides(t, entries, cfg)
+            fixed = _activation_overrides(t, entries)
         specs[t] = dataclasses.replace(base, overrides=fixed, **changes)
         if "convert" in entry:  # ONNX Runtime's mixed precision: the readers in recv_nodes see a second type
-            specs.update(_convert_specs(t, entry["convert"], specs[t], info, cfg))
+            specs.update(_convert_specs(t, entry["convert"], specs[t], info))
 
     # range adjustments and alignment (applied after calibration)
     for n in model.graph.node:

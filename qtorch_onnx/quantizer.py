@@ -202,7 +202,11 @@ def _weight_method(spec: QuantSpec, cfg: ResolvedConfig) -> Tuple[str, Dict[str,
 
 
 def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, onnx_axis: Optional[int]) -> None:
-    """Quantization parameters of a weight from its own values (ONNX layout), per tensor or per channel."""
+    """Quantization parameters of a weight from its own values (ONNX layout), per tensor or per channel: min /
+    max, or the quantizer's WeightCalibrateMethod observers when it has one."""
+    if fq.weight_method is not None:
+        fq.qparams_by_method(value, onnx_axis)
+        return
     v = value.detach().to(torch.float64)
     if onnx_axis is None:
         rmin, rmax = v.min(), v.max()
@@ -336,10 +340,7 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
                     and not (cfg.weight_calibrate_method == "NonOverflow" and cfg.power_of_two):  # that is min/max
                 fq.weight_method = _weight_method(spec, cfg)
             if tensor in plan.info.initializers:
-                if fq.weight_method is not None:
-                    fq.qparams_by_method(_initializer_value(plan.info, tensor), spec.axis)
-                else:
-                    _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
+                _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
         fq.set_mode("quantize")
         if spec.role == "activation" and observer is not None:
             fq._observer_enabled = True  # observes until calibrate() freezes it

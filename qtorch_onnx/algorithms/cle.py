@@ -96,8 +96,7 @@ def replace_clip6_relu(gm) -> List[str]:
         fxn = fx_by_name.get(info.fx_node) if info is not None else None
         if info is None or fxn is None or fxn.op != "call_module" or len(fxn.args) != 1 or fxn.kwargs:
             continue  # bounds passed at run time: not a plain Clip(0, 6) module
-        gm.set_submodule(str(fxn.target), nn.ReLU()) if hasattr(gm, "set_submodule") else \
-            setattr(gm, str(fxn.target), nn.ReLU())
+        gm.set_submodule(str(fxn.target), nn.ReLU())
         n.op_type = "Relu"
         del n.input[1:]
         del n.attribute[:]

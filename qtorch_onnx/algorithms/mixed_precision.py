@@ -138,10 +138,8 @@ def resolve_metric(metric: Union[str, Callable, None], evaluate_function: Option
     return metric, BUILTIN_METRICS[metric]
 
 
-def _append_outputs(out: Outputs, y, n: int, sizes: List[int], pos: int, output_index: Optional[int],
-                    split: bool) -> int:
-    """Append one batch's model output ``y`` to ``out`` as per-sample ``[output]`` numpy lists; returns the index
-    of the next sample.
+def _selected(y, output_index: Optional[int]) -> list:
+    """The model outputs ``y`` (one, or a tuple / list) that ``output_index`` selects (None: all), as a list.
 
     Raises:
         ConfigError: ``output_index`` beyond the model's outputs.
@@ -150,7 +148,18 @@ def _append_outputs(out: Outputs, y, n: int, sizes: List[int], pos: int, output_
     if output_index is not None and output_index >= len(ys):
         raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
                           f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
-    sel = ys if output_index is None else [ys[output_index]]
+    return ys if output_index is None else [ys[output_index]]
+
+
+def _append_outputs(out: Outputs, y, n: int, sizes: List[int], pos: int, output_index: Optional[int],
+                    split: bool) -> int:
+    """Append one batch's model output ``y`` to ``out`` as per-sample ``[output]`` numpy lists; returns the index
+    of the next sample.
+
+    Raises:
+        ConfigError: ``output_index`` beyond the model's outputs.
+    """
+    sel = _selected(y, output_index)
     if split and n > sizes[pos]:  # split a concatenated batch back into the samples
         start = 0
         while start < n:
@@ -200,14 +209,25 @@ def _ort_outputs(model, samples, output_index: Optional[int],
     out: Outputs = []
     for sample in samples:
         ys = sess.run(None, {nm: t.detach().cpu().numpy() for nm, t in zip(names, sample)})
-        if output_index is not None and output_index >= len(ys):
-            raise ConfigError(f"AutoMixprecision OutputIndex {output_index} is out of range: the model has "
-                              f"{len(ys)} output(s) (valid: 0..{len(ys) - 1})")
-        out.append([np.asarray(y, np.float32) for y in (ys if output_index is None else [ys[output_index]])])
+        out.append([np.asarray(y, np.float32) for y in _selected(ys, output_index)])
     return out
 
 
-def _branch_point(gm, nodes: List[Any], const: Dict[Any, bool], patch: "_Patch") -> Tuple[int, List[int]]:
+def _node_modules(gm, nodes: List[Any]) -> Dict[Any, set]:
+    """Per fx node, the ids of the module it calls (or reads an attribute of) and of that module's submodules."""
+    out: Dict[Any, set] = {}
+    for n in nodes:
+        mod = None
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+        elif n.op == "get_attr" and "." in str(n.target):
+            mod = gm.get_submodule(str(n.target).rsplit(".", 1)[0])
+        out[n] = {id(m) for m in mod.modules()} if mod is not None else set()
+    return out
+
+
+def _branch_point(nodes: List[Any], const: Dict[Any, bool], node_modules: Dict[Any, set], patch: "_Patch"
+                  ) -> Tuple[int, List[int]]:
     """Where ``patch`` first changes a result: ``(start, recompute)``, with ``start`` the index in ``nodes`` of the
     first activation (non-constant) node whose value the patch can change (``len(nodes)`` if none) and
     ``recompute`` the constant nodes before it (a swapped weight quantizer and what it feeds) to evaluate again.
@@ -220,13 +240,7 @@ def _branch_point(gm, nodes: List[Any], const: Dict[Any, bool], patch: "_Patch")
         hit.add(id(patch.layer.module))
     tainted = set()
     for n in nodes:
-        mod = None
-        if n.op == "call_module":
-            mod = gm.get_submodule(str(n.target))
-        elif n.op == "get_attr" and "." in str(n.target):
-            mod = gm.get_submodule(str(n.target).rsplit(".", 1)[0])
-        if (mod is not None and any(id(m) in hit for m in mod.modules())) \
-                or any(a in tainted for a in n.all_input_nodes):
+        if not hit.isdisjoint(node_modules[n]) or any(a in tainted for a in n.all_input_nodes):
             tainted.add(n)
     start = next((i for i, n in enumerate(nodes) if n in tainted and not const[n]), len(nodes))
     return start, [i for i in range(start) if nodes[i] in tainted]
@@ -255,8 +269,9 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
         const[n] = n.op not in ("placeholder", "output") and all(const[a] for a in n.all_input_nodes)
     starts: Dict[int, List[str]] = {}
     recompute: Dict[str, List[int]] = {}
+    node_modules = _node_modules(gm, nodes)
     for name, patch in patches.items():
-        start, recompute[name] = _branch_point(gm, nodes, const, patch)
+        start, recompute[name] = _branch_point(nodes, const, node_modules, patch)
         starts.setdefault(start, []).append(name)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     interp = fx.Interpreter(gm, garbage_collect_values=False)
@@ -751,8 +766,9 @@ class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
     model builds (each: place, calibrate, evaluate), the time (``stage_seconds``: prepare, sensitivity, search,
-    fill, verify), and the ONNX Runtime checks of the choice ``(number of narrow layers, metric in ONNX
-    Runtime)`` (the last one is the returned mix)."""
+    fill, verify; the builds a step-back in verify needs count in search and in verify), and the ONNX Runtime
+    checks of the choice ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned
+    mix)."""
 
     plan: MixedPrecisionPlan
     sensitivity: SensitivityReport
@@ -781,8 +797,8 @@ class AutoMixedPrecisionResult:
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
-               "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified, "fill_forward_passes": self.fill_passes,
-               "stage_seconds": self.stage_seconds,
+               "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
+               "fill_forward_passes": self.fill_passes, "stage_seconds": self.stage_seconds,
                "sensitivity_suffix_fraction": self.sensitivity.suffix_fraction, "layers": layers}
         paths = {"json": os.path.join(folder, "auto_mp.json"), "plan": os.path.join(folder, "plan.json"),
                  "sensitivity": os.path.join(folder, "sensitivity.png"),
@@ -1033,8 +1049,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                 # set built and calibrated for real: the sorted order stops at the first too-sensitive layer,
                 # this does not
                 t_fill = time.perf_counter()
-                base, narrow_model = cache[k][1], builder.promoted(names, act_n, w_n, target_op_type,
-                                                                   dual_quant_nodes)
+                base, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
                 accepted, active = [], []
                 try:
                     for name in order[k + 1:]:

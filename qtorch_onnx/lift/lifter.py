@@ -80,7 +80,7 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                              f"{str(f)!r}, which does not exist (keep the .data file beside the model)")
         size = f.stat().st_size
         end = (info.offset or 0) + (info.length if info.length is not None else 0)
-        if end > size or (info.offset or 0) > size:
+        if end > size:
             raise ModelError(f"{str(path)!r}: tensor {t.name!r} needs bytes {info.offset or 0}..{end} of the external "
                              f"data file {str(f)!r}, which has {size} bytes (truncated?)")
     try:

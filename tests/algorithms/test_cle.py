@@ -1,8 +1,6 @@
 """Cross-layer equalization (include_cle, Quark's CLE keys) and ReplaceClip6Relu on small models."""
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
