@@ -40,14 +40,15 @@ class InputSpec:
 
 
 def input_specs(model: onnx.ModelProto) -> List[InputSpec]:
-    """The graph inputs (initializers excluded) of ``model`` in ONNX order."""
+    """The graph inputs (initializers excluded) of ``model`` in ONNX order. A dimension without a value, or
+    with a negative ``dim_value`` (paddle2onnx writes -1 for a dynamic batch), is dynamic (``None``)."""
     inits = {t.name for t in model.graph.initializer}
     specs = []
     for vi in model.graph.input:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None for d in tt.shape.dim)
         specs.append(InputSpec(vi.name, np.dtype(_ONNX_TO_NP.get(tt.elem_type, np.float32)), shape))
     return specs
 

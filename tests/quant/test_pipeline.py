@@ -272,3 +272,21 @@ def test_histogram_calibration_methods(method):
     cfg.calibrate_method = getattr(qo.CalibrationMethod, method)
     qm = _quantize(cnn(), qo.Config(global_quant_config=cfg), calib_data(3))
     assert all(fq.calibrated for fq in qm.quantizers().values())
+
+
+def test_negative_dim_value_is_a_dynamic_dimension():
+    """paddle2onnx writes ``dim_value: -1`` for a dynamic batch (PP-OCR's classifier): calibration data of any
+    batch size is accepted there, and the static dimensions are still checked."""
+    from qtorch_onnx.data import input_specs
+
+    model = cnn()
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].Clear()
+    dims[0].dim_value = -1
+    assert input_specs(model)[0].shape[0] is None
+    qm = qo.prepare(model, "A8W8")
+    two = calib_data(2)
+    qo.calibrate(qm, two + [{"input": np.concatenate([d["input"] for d in two])}], progress=False)
+    bad = {"input": two[0]["input"][:, :1]}
+    with pytest.raises(qo.DataError, match="does not match the model's"):
+        qo.calibrate(qm, [bad], progress=False)
