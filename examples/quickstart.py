@@ -29,14 +29,18 @@ from qtorch_onnx.runtime import check_parity, session
 
 
 def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str | None,
-            deploy: bool = True) -> dict:
-    """Quantize ``model_name`` with ``config``, evaluate the emulation against float and, with ``deploy``,
-    export and check ONNX Runtime against the emulation. Returns one results row (see :func:`table`)."""
+            deploy: bool = True, optimize_model: bool = True) -> dict:
+    """Quantize ``model_name`` with the named ``config`` (``optimize_model``: Quark's key, graph optimization
+    before quantization, on by default as in Quark), evaluate the emulation against float and, with
+    ``deploy``, export and check ONNX Runtime against the emulation. Returns one results row (see
+    :func:`table`)."""
     t0 = time.perf_counter()
     path = zoo.fetch_model(model_name)
     calib, _ = zoo.model_inputs(model_name, split="calib", n=n_calib)
     evald, labels = zoo.model_inputs(model_name, split="eval", n=n_eval)
-    qm = qo.prepare(path, config, device=device)
+    cfg = qo.get_default_config(config)
+    cfg.optimize_model = optimize_model
+    qm = qo.prepare(path, cfg, device=device)
     if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
         qo.calibrate(qm, calib, progress=True)
     else:

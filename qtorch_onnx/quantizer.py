@@ -239,17 +239,10 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
         ModelError / UnsupportedOpsError: unreadable model or ops that cannot be lifted.
         ConfigError / UnsupportedFeatureError: invalid configuration, or a feature not implemented yet.
     """
-    from .lift import lift, load_model
-
     t0 = time.perf_counter()
     cfg = resolve(config)
-    proto = load_model(model)
-    gm = lift(proto, fold_batchnorm=True)
+    gm, cle_report = lift_float(model, cfg)
     t_lift = time.perf_counter() - t0
-    from .training import make_trainable
-
-    make_trainable(gm)
-    cle_report = float_rewrites(gm, cfg)
     plan = plan_quantization(gm.onnx_model, cfg)
     qm = attach_quantizers(gm, plan, cfg)
     qm.cle_report = cle_report
@@ -258,6 +251,23 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     if device is not None:
         qm.to(device)
     return qm
+
+
+def lift_float(model: ModelLike, cfg: ResolvedConfig):
+    """The float model every quantized build starts from: loaded, normalized (BatchNormalization folded),
+    graph-optimized when ``cfg.optimize_model`` (:mod:`qtorch_onnx.lift.fusion`), lifted, its float
+    initializers made parameters, then :func:`float_rewrites`. Returns ``(gm, cle_report)``; the fusion
+    report is ``gm.fusion_report``.
+
+    Raises:
+        ModelError / UnsupportedOpsError: as :func:`qtorch_onnx.lift.lift`.
+    """
+    from .lift import lift, load_model
+    from .training import make_trainable
+
+    gm = lift(load_model(model), fold_batchnorm=True, optimize=cfg.optimize_model)
+    make_trainable(gm)
+    return gm, float_rewrites(gm, cfg)
 
 
 def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig):

@@ -476,16 +476,15 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
                          f"reads version {_SAVE_VERSION}")
     proto = onnx.ModelProto()
     proto.ParseFromString(blob["onnx"])
+    cfg = _config_from_dict(blob["config"])
     if model is not None:
-        from .lift import load_model
-        from .lift.normalize import normalize_with_aliases
+        from .lift import load_model, normalize_and_fuse
 
         given = load_model(model)
-        normalized, _ = normalize_with_aliases(given, fold_batchnorm=True)
+        normalized, _, _ = normalize_and_fuse(given, fold_batchnorm=True, optimize=cfg.optimize_model)
         if _graph_digest(normalized) != blob["digest"] and _graph_digest(given) != blob["digest"]:
             raise ModelError(f"{os.fspath(path)!r} holds the state of a different ONNX graph than the model given "
                              f"(graph {given.graph.name!r}); load it without `model`, or save this model's own state")
-    cfg = _config_from_dict(blob["config"])
     gm = lift(proto, fold_batchnorm=True)
     make_trainable(gm)
     specs = {k: _spec_from_dict(d) for k, d in blob["specs"].items()}

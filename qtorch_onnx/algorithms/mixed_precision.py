@@ -410,15 +410,11 @@ class _Builder:
     """Lifts the model once; builds calibrated models for any set of promoted nodes."""
 
     def __init__(self, model, cfg, calib_samples, device, progress: bool):
-        from ..lift import lift, load_model
-        from ..training import make_trainable
+        from ..quantizer import lift_float
 
         self.cfg = cfg
-        from ..quantizer import float_rewrites
-
-        self.gm = lift(load_model(model), fold_batchnorm=True)
-        make_trainable(self.gm)
-        float_rewrites(self.gm, cfg)  # ReplaceClip6Relu / CLE once: every build starts from the same float model
+        # graph optimization, ReplaceClip6Relu, CLE once: every build starts from the same float model
+        self.gm, _ = lift_float(model, cfg)
         self.calib = calib_samples
         self.device = device
         self.progress = progress

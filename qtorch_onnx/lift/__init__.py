@@ -3,8 +3,10 @@
 Public API:
     normalize(model, *, fold_batchnorm=False) -> onnx.ModelProto
     normalize_with_aliases(model, *, fold_batchnorm=False) -> (onnx.ModelProto, {removed name: survivor})
-    lift(model_or_path, *, fold_batchnorm=False) -> torch.fx.GraphModule
-        (gm.onnx_model, gm.tensor_map, gm.input_names, gm.output_names)
+    lift(model_or_path, *, fold_batchnorm=False, optimize=False) -> torch.fx.GraphModule
+        (gm.onnx_model, gm.tensor_map, gm.input_names, gm.output_names, gm.fusion_report)
+    fuse_for_quantization(model) -> (fused model, FusionReport): graph optimization before quantization
+    normalize_and_fuse(model, *, fold_batchnorm=False, optimize=False) -> (model, aliases, FusionReport | None)
     check_supported(model) -> None (raises UnsupportedOpsError), load_model(model_or_path)
     register_converter(op_type, versions, domain="") -> decorator adding/overriding an onnx2torch converter
     optimize_for_inference(gm, example_inputs, *, compile="none"|"jit"|"inductor") -> a faster copy (inference)
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 
+from .fusion import FusionReport, fuse_for_quantization, normalize_and_fuse
 from .normalize import normalize, normalize_with_aliases, same_pads
 from .tensor_map import ModelInfo, NodeInfo, TensorInfo, TensorMap, TensorRef
 
@@ -34,7 +37,7 @@ _LAZY = {"lift": "lifter", "check_supported": "lifter", "load_model": "lifter",
          "register_converter": "converters", "optimize_for_inference": "optimize"}
 
 __all__ = [
-    "normalize", "normalize_with_aliases", "same_pads", "lift", "check_supported", "load_model",
+    "normalize", "normalize_with_aliases", "same_pads", "fuse_for_quantization", "normalize_and_fuse", "FusionReport", "lift", "check_supported", "load_model",
     "TensorMap", "TensorRef", "ModelInfo", "NodeInfo", "TensorInfo", "register_converter", "optimize_for_inference",
 ]
 

@@ -18,7 +18,7 @@ from ..errors import ModelError, UnsupportedOpsError
 from . import converters as _conv
 from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
 from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
-from .normalize import normalize_with_aliases
+from .fusion import normalize_and_fuse
 from .ops_common import tensor_from_proto
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
 
@@ -227,7 +227,7 @@ def check_supported(model: onnx.ModelProto) -> None:
         raise err
 
 
-def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphModule:
+def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False, optimize: bool = False) -> fx.GraphModule:
     """Lift an ONNX model to a ``torch.fx.GraphModule`` in eval mode.
 
     Steps: :func:`~qtorch_onnx.lift.normalize` (the input model is not mutated), :func:`check_supported`,
@@ -249,12 +249,16 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
     Args:
         model_or_path: ``onnx.ModelProto`` or path of a ``.onnx`` file.
         fold_batchnorm: fold Conv -> BatchNormalization pairs during normalization.
+        optimize: fuse constant affine steps into their layers (Conv/ConvTranspose + Mul/Add, MatMul + Add ->
+            Gemm, HardSwish chains; :mod:`~qtorch_onnx.lift.fusion`) after normalization: Quark's
+            ``optimize_model``. Tensor names that disappear are in ``gm.tensor_map.aliases``.
 
     Returns:
         GraphModule whose ``forward`` takes the ONNX graph inputs positionally (ONNX order) and returns
         one tensor, or a tuple in ONNX output order. Attached: ``gm.onnx_model`` (normalized
         ModelProto), ``gm.tensor_map`` (:class:`TensorMap`, with ``.graph`` the :class:`ModelInfo`),
-        ``gm.input_names``, ``gm.output_names`` (tuples of ONNX names), ``gm.lift_seconds``.
+        ``gm.input_names``, ``gm.output_names`` (tuples of ONNX names), ``gm.lift_seconds``,
+        ``gm.fusion_report`` (:class:`~qtorch_onnx.lift.fusion.FusionReport`, ``None`` without ``optimize``).
 
     Raises:
         ModelError: unreadable file (names it), invalid model.
@@ -262,7 +266,7 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
     """
     t0 = time.perf_counter()
     original = load_model(model_or_path)
-    normalized, aliases = normalize_with_aliases(original, fold_batchnorm=fold_batchnorm)
+    normalized, aliases, fusion = normalize_and_fuse(original, fold_batchnorm=fold_batchnorm, optimize=optimize)
     check_supported(normalized)
     gm, refs, modules = _lift_graph(normalized, subgraph=False)
     info = ModelInfo.from_model(normalized, modules)
@@ -295,6 +299,7 @@ def lift(model_or_path: ModelLike, *, fold_batchnorm: bool = False) -> fx.GraphM
         "input_names": tuple(v.name for v in normalized.graph.input),
         "output_names": tuple(o.name for o in normalized.graph.output),
         "lift_seconds": time.perf_counter() - t0,
+        "fusion_report": fusion,
     }
     for key, value in attached.items():
         setattr(gm, key, value)
