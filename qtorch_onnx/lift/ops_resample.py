@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops_common import (
-    ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, register_versions, result,
+    ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, onnx2torch_converter, register_versions,
+    result,
 )
 from .ops_conv_pool import _torch_pad, windows
 
 _CTM = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
-        "tf_crop_and_resize")
+        "tf_crop_and_resize", "tf_half_pixel_for_nn")
 _NEAREST = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 
 
@@ -102,6 +103,8 @@ class OnnxResize(nn.Module, OnnxToTorchModule):
             return (torch.full_like(y, -0.5) if n_out == 1 else (y + 0.5) / s - 0.5), None
         if ctm == "half_pixel":
             return (y + 0.5) / s - 0.5, None
+        if ctm == "tf_half_pixel_for_nn":  # Resize-11 only
+            return (y + 0.5) / s, None
         if ctm == "half_pixel_symmetric":
             adjustment = n_out / (s * n_in)
             offset = n_in / 2 * (1 - adjustment)
@@ -209,6 +212,27 @@ def _resize(node: OnnxNode, graph: OnnxGraph):
 register_versions("Resize", 18, _resize)
 
 
+def _resize_11_13(node: OnnxNode, graph: OnnxGraph):
+    """Resize-11/13 (onnx2torch's keys, overridden): onnx2torch's ``F.interpolate`` module where its result is
+    the ONNX one (nearest + asymmetric + floor; linear/cubic + half_pixel/align_corners with the default
+    ``cubic_coeff_a`` and ``exclude_outside``), :class:`OnnxResize` otherwise. onnx2torch warns and differs
+    from ONNX Runtime for the other coordinate modes / nearest modes, most visibly when ``sizes`` computed
+    at run time (a detector resizing a feature map to the size of a skip connection) give a non-integer
+    ratio; resizing the batch or channel axis fails in its forward."""
+    mode = attr(node, "mode", "nearest")
+    ctm = attr(node, "coordinate_transformation_mode", "half_pixel")
+    nm = attr(node, "nearest_mode", "round_prefer_floor")
+    exact = (mode == "nearest" and ctm == "asymmetric" and nm == "floor") or (
+        mode in ("linear", "cubic") and ctm in ("half_pixel", "align_corners")
+        and float(attr(node, "cubic_coeff_a", -0.75)) == -0.75 and not attr(node, "exclude_outside", 0))
+    if exact:
+        try:
+            return onnx2torch_converter("Resize", 13)(node, graph)
+        except NotImplementedError:
+            pass
+    return _resize(node, graph)
+
+
 class OnnxUpsample(nn.Module, OnnxToTorchModule):
     """ONNX Upsample-7/9 (deprecated): Resize with ``asymmetric`` coordinates; ``nearest`` takes
     ``floor(i / scale)``, ``linear`` interpolates (2 taps, edge-clamped). Scales from the attribute
@@ -232,7 +256,37 @@ def _upsample(node: OnnxNode, graph: OnnxGraph):
     return result(OnnxUpsample(mode, attr(node, "scales")), node)
 
 
+class OnnxResize10(OnnxUpsample):
+    """ONNX Resize-10: X ``[*]``, scales ``[rank]`` -> ``floor(in * scale)`` per axis, ``asymmetric``
+    coordinates (``i / scale``) as Upsample-9; ``linear`` with 2 edge-clamped taps, ``nearest`` takes the
+    floor of the source coordinate on enlarged axes and its ceiling (clamped to the last index) on
+    shrunk ones (ONNX Runtime's opset-10 rounding)."""
+
+    def __init__(self, mode: str):
+        super().__init__(mode, None)
+        self.shrink = OnnxResize("nearest", "asymmetric", "ceil", -0.75, False, 0.0, False, None, "stretch") \
+            if mode == "nearest" else None
+
+    def forward(self, x, scales=None):  # noqa: D102
+        if self.shrink is None or not bool((scales < 1).any()):
+            return self.resize(x, None, scales)
+        one = torch.ones_like(scales)
+        y = self.resize(x, None, torch.where(scales < 1, one, scales))
+        return self.shrink(y, None, torch.where(scales < 1, scales, one))
+
+
+def _resize_10(node: OnnxNode, graph: OnnxGraph):
+    """Resize-10 (onnx2torch's key, overridden: its ``F.interpolate`` took half-pixel linear coordinates and
+    rounded shrunk nearest indices down, unlike ONNX Runtime): :class:`OnnxResize10`."""
+    mode = attr(node, "mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        raise ConversionNotSupported(f"Resize node {node.name!r}: mode={mode!r} (valid at opset 10: nearest, linear)")
+    return result(OnnxResize10(mode), node)
+
+
 register_versions("Upsample", 7, _upsample)
+register_versions("Resize", 10, _resize_10, override=(10,), last=10)
+register_versions("Resize", 11, _resize_11_13, override=(11, 13), last=13)
 
 
 class OnnxGridSample(nn.Module, OnnxToTorchModule):
