@@ -415,7 +415,7 @@ def workaround(domain: str, op_type: str, reason: str) -> str:
                 "the producing op's schema registered, or add the value_info by hand)")
     if "must be a constant" in reason or "Dynamic value" in reason or "initializer" in reason:
         return "make that input a constant (an initializer), e.g. by fixing the input shapes and re-running normalize()"
-    if "auto_pad" in reason or "static" in reason:
+    if "needs a static" in reason or "needs static" in reason:
         return ("give the model static input shapes (python -m onnxruntime.tools.make_dynamic_shape_fixed) so "
                 "normalization can resolve it")
     if reason == "no converter":

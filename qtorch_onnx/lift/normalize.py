@@ -17,8 +17,10 @@ order (each one documented at its function):
    ``"ai.onnx"`` is spelled ``""``; scalar ``axes`` initializers of Unsqueeze/Squeeze become 1-D;
    Constant nodes left (graph outputs) hold a ``value`` tensor attribute.
 5. ONNX shape inference (``onnx.shape_inference.infer_shapes``, ``data_prop=True``).
-6. ``auto_pad=SAME_UPPER|SAME_LOWER|VALID`` is resolved to explicit ``pads`` (needs static spatial
-   input shapes; ONNX operator spec of Conv / ConvTranspose / MaxPool / AveragePool / LpPool).
+6. ``auto_pad=VALID`` becomes zero ``pads``; ``auto_pad=SAME_UPPER|SAME_LOWER`` becomes explicit ``pads``
+   when the spatial input shape is static (ONNX operator spec of Conv / ConvTranspose / MaxPool /
+   AveragePool / LpPool) and is kept otherwise (symbolic H/W): the converters then pad from the actual
+   input size at run time, and the normalized (and exported) graph accepts any input size.
 7. Optional (``fold_batchnorm=True``): ``BatchNormalization`` folded into the single-consumer ``Conv``
    feeding it, in float64 (see :func:`_fold_batchnorm`).
 8. Node names are made unique and non-empty (deterministic ``<op_type>_<index>`` for missing ones;
@@ -274,6 +276,10 @@ def same_pads(
     ``total = max(0, (out - 1) * stride + (k - 1) * dilation + 1 - in)``; for ConvTranspose
     ``out = in * stride``, ``total = stride * (in - 1) + output_padding + (k - 1) * dilation + 1 - out``.
     ``SAME_UPPER`` puts the odd pixel at the end, ``SAME_LOWER`` at the beginning.
+
+    Used by normalization pass 6 (static shapes) and, at run time with the actual input size, by the
+    converters of nodes whose ``auto_pad`` was kept (dynamic shapes); ``in_spatial`` may be a
+    ``torch.Size``. Returns Python ints.
     """
     in_spatial, kernel, strides, dilations = map(list, (in_spatial, kernel, strides, dilations))
     n = len(in_spatial)
@@ -298,10 +304,21 @@ def same_pads(
 
 
 def _resolve_auto_pad(model: onnx.ModelProto) -> None:
-    """Pass 6: replace ``auto_pad`` SAME_UPPER/SAME_LOWER/VALID by explicit ``pads`` (in place on a copy).
+    """Pass 6: replace ``auto_pad`` by explicit ``pads`` where the input's spatial shape allows it (in place
+    on a copy).
+
+    * ``VALID`` always becomes ``pads`` of zeros (only the spatial rank is needed).
+    * ``SAME_UPPER`` / ``SAME_LOWER`` become the explicit ``pads`` of :func:`same_pads` when the spatial
+      dimensions of the data input and the kernel shape are statically known. Otherwise (symbolic H/W,
+      a run-time weight of unknown shape, or a ConvTranspose with ``output_shape``) the attribute is
+      kept: the converters of :mod:`~qtorch_onnx.lift.ops_conv_pool` then compute the same padding from
+      the actual input size on every call, and the normalized graph (which export writes) keeps
+      accepting any input size. Nodes with ``auto_pad`` kept have no ``pads`` attribute (the ONNX spec
+      forbids both at once).
 
     Raises:
-        ModelError: a SAME_* node whose input spatial shape or kernel shape is not statically known.
+        ModelError: ``auto_pad=VALID`` on a node whose spatial rank is unknown (no kernel shape, no
+            input rank); names the node.
     """
     shapes = _shape_map(model)
     for node in model.graph.node:
@@ -325,11 +342,10 @@ def _resolve_auto_pad(model: onnx.ModelProto) -> None:
             pads = [0] * (2 * n)
         else:
             if x_shape is None or kernel is None or any(d is None for d in x_shape[2:]):
-                raise ModelError(
-                    f"node {node.name!r} ({node.op_type}): auto_pad={mode} needs a static spatial shape of input "
-                    f"{node.input[0]!r} (got {x_shape}) and a known kernel shape (got {kernel}); give the model "
-                    f"static input dimensions or explicit pads"
-                )
+                _LOG.debug("node %r (%s): auto_pad=%s kept (input %r has spatial shape %s, kernel %s): padding "
+                           "computed at run time", node.name, node.op_type, mode, node.input[0], x_shape, kernel)
+                _del_attr(node, "pads")
+                continue
             n = len(kernel)
             pads = same_pads(
                 x_shape[2:],
@@ -575,6 +591,6 @@ def normalize(model: onnx.ModelProto, *, fold_batchnorm: bool = False) -> onnx.M
 
     Raises:
         ModelError: not a ModelProto, an opset < 7 model that cannot be upgraded to 7, failing shape
-            inference, or ``auto_pad=SAME_*`` on a dynamic spatial shape.
+            inference, or ``auto_pad=VALID`` on a node of unknown spatial rank.
     """
     return normalize_with_aliases(model, fold_batchnorm=fold_batchnorm)[0]

@@ -10,7 +10,17 @@
   padding is dropped); torch's own pooling is used where its semantics coincide (symmetric pads no
   larger than half the kernel, no dilation for average pooling).
 
-``conv_nd`` / ``conv_transpose_nd`` are shared with the integer convolutions in ``ops_quant``.
+``auto_pad=SAME_UPPER|SAME_LOWER`` reaches a converter only when the input's spatial shape is not static
+(normalization resolves it to explicit ``pads`` otherwise): the padding is then computed on every call
+from the actual input size (:func:`runtime_pads`, ONNX operator spec formulas) and applied with an
+explicit ``F.pad`` when it is asymmetric (zeros for convolutions and average/Lp pooling, ``-inf`` for
+MaxPool; the padded cells count in AveragePool's divisor only with ``count_include_pad=1``, as for
+explicit pads). Constant-weight Conv nodes become :class:`SameConv1d` / ``2d`` / ``3d``, subclasses of
+torch's ``nn.Conv*d`` that keep the weight a parameter of the module; MaxPool-8..12 and AveragePool-7..11
+(onnx2torch's keys) are overridden to handle ``auto_pad`` and forms onnx2torch rejects (asymmetric
+average-pool pads, ``storage_order``, the Indices output), and delegate everything else to onnx2torch.
+
+``conv_nd`` / ``conv_transpose_nd`` / ``runtime_pads`` are shared with the integer convolutions in ``ops_quant``.
 """
 from __future__ import annotations
 
@@ -20,9 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .normalize import same_pads
 from .ops_common import (
-    ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, get_converter, register_versions, result,
+    ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, get_converter, onnx2torch_converter,
+    register_versions, result, tensor_from_proto,
 )
+
+_SAME = ("SAME_UPPER", "SAME_LOWER")
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -34,6 +48,19 @@ def _torch_pad(pads: list[int], n: int) -> list[int]:
     for i in reversed(range(n)):
         out += [pads[i], pads[n + i]]
     return out
+
+
+def runtime_pads(auto_pad: str, pads, sizes, kernel, strides, dilations) -> list[int]:
+    """ONNX ``pads`` ``[b_1..b_n, e_1..e_n]`` for one call: ``auto_pad`` SAME_UPPER / SAME_LOWER computed from
+    the actual spatial ``sizes`` of the input (:func:`~qtorch_onnx.lift.normalize.same_pads`: total
+    ``max(0, (ceil(in / s) - 1) * s + (k - 1) * d + 1 - in)``, the odd cell at the end for SAME_UPPER, at
+    the beginning for SAME_LOWER), zeros for VALID, else the explicit ``pads`` (None: zeros)."""
+    n = len(kernel)
+    if auto_pad in _SAME:
+        return same_pads(list(sizes), list(kernel), list(strides), list(dilations), auto_pad)
+    if auto_pad == "VALID" or pads is None:
+        return [0] * (2 * n)
+    return list(pads)
 
 
 def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, strides, pads, dilations, group: int):
@@ -86,24 +113,79 @@ def _conv_attrs(node: OnnxNode, n: int | None):
 
     pads = get("pads", [0] * 2 * (n or 0))
     auto_pad = attr(node, "auto_pad", "NOTSET")
-    if auto_pad not in ("NOTSET", "VALID") and node.operation_type != "ConvTranspose":
-        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
-                                     f"input shapes (normalization resolves it to pads when shapes are known)")
+    if auto_pad not in ("NOTSET", "VALID") + _SAME:
+        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad!r} (valid: NOTSET, "
+                                     f"VALID, SAME_UPPER, SAME_LOWER)")
+    if auto_pad == "VALID":
+        pads = None if n is None else [0] * 2 * n
     return (get("strides", [1] * (n or 0)), pads, get("dilations", [1] * (n or 0)), attr(node, "group", 1), auto_pad)
 
 
 class OnnxConv(nn.Module, OnnxToTorchModule):
     """ONNX Conv with W (and B) as inputs: x ``[N, C, *S]``, w ``[M, C/group, *K]``, b ``[M]``. ``strides`` /
-    ``pads`` / ``dilations`` None: the ONNX defaults (1 / 0 / 1 per spatial axis of ``w``)."""
+    ``pads`` / ``dilations`` None: the ONNX defaults (1 / 0 / 1 per spatial axis of ``w``); ``auto_pad``
+    SAME_UPPER / SAME_LOWER: the pads are computed from x's spatial size and w's kernel on every call."""
 
-    def __init__(self, strides, pads, dilations, group):
+    def __init__(self, strides, pads, dilations, group, auto_pad: str = "NOTSET"):
         super().__init__()
         self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
+        self.auto_pad = auto_pad
 
     def forward(self, x, w, b=None):  # noqa: D102
         n = w.dim() - 2
-        return conv_nd(x, w, b, self.strides or [1] * n, self.pads or [0] * 2 * n, self.dilations or [1] * n,
-                       self.group)
+        strides, dilations = self.strides or [1] * n, self.dilations or [1] * n
+        pads = runtime_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
+        return conv_nd(x, w, b, strides, pads, dilations, self.group)
+
+
+class _SameConv:
+    """``forward`` of :class:`SameConv1d` / ``2d`` / ``3d``: ONNX Conv with ``auto_pad`` SAME_UPPER / SAME_LOWER
+    on ``[N, C, *S]``; the pads follow from the actual ``S`` (:func:`runtime_pads`); symmetric ones go to
+    torch's convolution (as the explicit pads of a static shape would), asymmetric ones to ``F.pad`` first."""
+
+    auto_pad: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        pads = runtime_pads(self.auto_pad, None, x.shape[2:], self.kernel_size, self.stride, self.dilation)
+        return conv_nd(x, self.weight, self.bias, list(self.stride), pads, list(self.dilation), self.groups)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return super().extra_repr() + f", auto_pad={self.auto_pad!r}"
+
+
+class SameConv1d(_SameConv, nn.Conv1d):
+    """``nn.Conv1d`` (``padding=0``) whose zero padding is ONNX ``auto_pad`` SAME_UPPER / SAME_LOWER, computed
+    from the input's length on every call. x ``[N, C, L]`` -> ``[N, M, ceil(L / stride)]``."""
+
+
+class SameConv2d(_SameConv, nn.Conv2d):
+    """``nn.Conv2d`` (``padding=0``) whose zero padding is ONNX ``auto_pad`` SAME_UPPER / SAME_LOWER, computed
+    from the input's spatial size on every call. x ``[N, C, H, W]`` -> ``[N, M, ceil(H / s_h), ceil(W / s_w)]``."""
+
+
+class SameConv3d(_SameConv, nn.Conv3d):
+    """``nn.Conv3d`` (``padding=0``) whose zero padding is ONNX ``auto_pad`` SAME_UPPER / SAME_LOWER, computed
+    from the input's spatial size on every call. x ``[N, C, D, H, W]`` -> ``[N, M, ceil(D / s), ...]``."""
+
+
+_SAME_CONV = {1: SameConv1d, 2: SameConv2d, 3: SameConv3d}
+
+
+def _same_conv(node: OnnxNode, graph: OnnxGraph, strides, dilations, group, auto_pad):
+    """Constant-weight Conv with auto_pad SAME_*: a :class:`SameConv2d` (etc.) holding W (and B) as parameters
+    in the initializers' dtype; only x is an fx input (the lifter maps the initializers to the parameters)."""
+    w = tensor_from_proto(graph.initializers[node.input_values[1]].proto)
+    b_name = node.input_values[2] if len(node.input_values) > 2 and node.input_values[2] else None
+    b = tensor_from_proto(graph.initializers[b_name].proto) if b_name else None
+    n = w.dim() - 2
+    mod = _SAME_CONV[n](w.shape[1] * group, w.shape[0], tuple(w.shape[2:]), stride=strides, padding=0,
+                        dilation=dilations, groups=group, bias=b is not None, dtype=w.dtype)
+    mod.auto_pad = auto_pad
+    with torch.no_grad():
+        mod.weight.data = w
+        if b is not None:
+            mod.bias.data = b
+    return result(mod, node, inputs=(node.input_values[0],))
 
 
 class OnnxConvTranspose(nn.Module, OnnxToTorchModule):
@@ -145,13 +227,13 @@ def _conv(node: OnnxNode, graph: OnnxGraph):
         n = _rank_of_weight(node, graph)
     except ConversionNotSupported:
         n = None  # a run-time weight behind an op shape inference does not know: OnnxConv fills the defaults
-        if attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-            raise
     strides, pads, dil, group, auto_pad = _conv_attrs(node, n)
     consts = all(v in graph.initializers for v in node.input_values[1:] if v)
     if consts and auto_pad == "NOTSET" and n in (1, 2, 3):
         return get_converter(operation_type="Conv", version=11)(node, graph)
-    return result(OnnxConv(strides, pads, dil, group), node)
+    if consts and auto_pad in _SAME and n in (1, 2, 3):
+        return _same_conv(node, graph, strides, dil, group, auto_pad)
+    return result(OnnxConv(strides, pads, dil, group, auto_pad), node)
 
 
 def _conv_transpose(node: OnnxNode, graph: OnnxGraph):
@@ -217,39 +299,42 @@ class OnnxPool(nn.Module, OnnxToTorchModule):
     ``kind``: ``avg`` (``count_include_pad``: explicit pads count in the divisor, the ceil-mode extra
     does not), ``max`` (optionally returning int64 Indices into the flattened input, row-major or,
     with ``storage_order=1``, column-major spatial order), ``lp`` (``(sum |x|^p)^(1/p)``).
+    ``auto_pad`` SAME_UPPER / SAME_LOWER: ``pads`` is ignored and computed from ``S`` on every call
+    (:func:`runtime_pads`); the output then has ``ceil(S / strides)`` cells, ``ceil_mode`` or not.
     """
 
     def __init__(self, kind, kernel, strides, pads, dilations, ceil_mode, count_include_pad=0, p=2,
-                 storage_order=0, n_outputs=1):
+                 storage_order=0, n_outputs=1, auto_pad: str = "NOTSET"):
         super().__init__()
         self.kind, self.kernel, self.strides, self.pads = kind, list(kernel), list(strides), list(pads)
         self.dilations, self.ceil_mode, self.count_include_pad = list(dilations), bool(ceil_mode), bool(count_include_pad)
-        self.p, self.storage_order, self.n_outputs = p, storage_order, n_outputs
+        self.p, self.storage_order, self.n_outputs, self.auto_pad = p, storage_order, n_outputs, auto_pad
 
-    def _fast(self, x):
+    def _fast(self, x, pads):
         n = len(self.kernel)
-        sym = self.pads[:n] == self.pads[n:] and all(2 * p <= k for p, k in zip(self.pads[:n], self.kernel))
+        sym = pads[:n] == pads[n:] and all(2 * p <= k for p, k in zip(pads[:n], self.kernel))
         if not sym or n not in (1, 2, 3) or self.n_outputs > 1:
             return None
         if self.kind == "max":
             fn = getattr(F, f"max_pool{n}d")
-            return fn(x, self.kernel, self.strides, self.pads[:n], self.dilations, ceil_mode=self.ceil_mode)
+            return fn(x, self.kernel, self.strides, pads[:n], self.dilations, ceil_mode=self.ceil_mode)
         if self.kind == "avg" and all(d == 1 for d in self.dilations):
             fn = getattr(F, f"avg_pool{n}d")
-            return fn(x, self.kernel, self.strides, self.pads[:n], ceil_mode=self.ceil_mode,
+            return fn(x, self.kernel, self.strides, pads[:n], ceil_mode=self.ceil_mode,
                       count_include_pad=self.count_include_pad)
         return None
 
     def forward(self, x: torch.Tensor):  # noqa: D102
-        y = self._fast(x) if x.is_floating_point() else None
+        pads = runtime_pads(self.auto_pad, self.pads, x.shape[2:], self.kernel, self.strides, self.dilations)
+        y = self._fast(x, pads) if x.is_floating_point() else None
         if y is not None:
             return y
         n = len(self.kernel)
         sizes = list(x.shape[2:])
-        outs, extra = pool_geometry(sizes, self.kernel, self.strides, self.pads, self.dilations, self.ceil_mode)
+        outs, extra = pool_geometry(sizes, self.kernel, self.strides, pads, self.dilations, self.ceil_mode)
         if self.kind == "max":
             low = torch.finfo(x.dtype).min if x.is_floating_point() else torch.iinfo(x.dtype).min
-            xp = _padded(x, self.pads, extra, float("-inf") if x.is_floating_point() else low, n)
+            xp = _padded(x, pads, extra, float("-inf") if x.is_floating_point() else low, n)
             w = windows(xp, self.kernel, self.strides, self.dilations)
             val, arg = w.max(dim=-1)
             if self.n_outputs == 1:
@@ -258,17 +343,17 @@ class OnnxPool(nn.Module, OnnxToTorchModule):
             if self.storage_order == 1:
                 idx = torch.arange(math.prod(sizes), device=x.device).reshape(list(reversed(sizes)))
                 idx = idx.permute(list(reversed(range(n)))).reshape([1, 1] + sizes)
-            idx = _padded(idx, self.pads, extra, -1, n)
+            idx = _padded(idx, pads, extra, -1, n)
             iw = windows(idx.expand(x.shape[0], x.shape[1], *idx.shape[2:]), self.kernel, self.strides, self.dilations)
             ind = torch.gather(iw, -1, arg.unsqueeze(-1)).squeeze(-1)
             base = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(x.shape[0], x.shape[1], *([1] * n))
             return val, ind + base * math.prod(sizes)
-        xp = _padded(x, self.pads, extra, 0.0, n)
+        xp = _padded(x, pads, extra, 0.0, n)
         w = windows(xp, self.kernel, self.strides, self.dilations)
         if self.kind == "lp":
             return w.abs().pow(self.p).sum(dim=-1).pow(1.0 / self.p)
         ones = torch.ones([1, 1] + sizes, dtype=x.dtype, device=x.device)
-        mask = F.pad(ones, _torch_pad(list(self.pads[:n]) + list(self.pads[n:]), n),
+        mask = F.pad(ones, _torch_pad(list(pads[:n]) + list(pads[n:]), n),
                      value=1.0 if self.count_include_pad else 0.0)
         mask = F.pad(mask, _torch_pad([0] * n + extra, n), value=0.0)
         cnt = windows(mask, self.kernel, self.strides, self.dilations).sum(dim=-1)
@@ -282,20 +367,43 @@ def _pool_converter(kind: str):
             raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: kernel_shape is required")
         n = len(kernel)
         auto_pad = attr(node, "auto_pad", "NOTSET")
-        if auto_pad not in ("NOTSET", "VALID"):
-            raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
-                                         f"input shapes (normalization resolves it to pads when shapes are known)")
-        pads = [0] * (2 * n) if auto_pad == "VALID" else list(attr(node, "pads", [0] * 2 * n))
+        if auto_pad not in ("NOTSET", "VALID") + _SAME:
+            raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad!r} (valid: "
+                                         f"NOTSET, VALID, SAME_UPPER, SAME_LOWER)")
+        pads = [0] * (2 * n) if auto_pad != "NOTSET" else list(attr(node, "pads", [0] * 2 * n))
         so = attr(node, "storage_order", 0)
         mod = OnnxPool(kind, kernel, attr(node, "strides", [1] * n), pads, attr(node, "dilations", [1] * n),
                        attr(node, "ceil_mode", 0), attr(node, "count_include_pad", 0), attr(node, "p", 2), so,
-                       len(node.output_values))
+                       len(node.output_values), auto_pad if auto_pad in _SAME else "NOTSET")
         return result(mod, node)
 
     return convert
 
 
+def _pool_override(kind: str, op_type: str):
+    """MaxPool-8..12 / AveragePool-7..11 (onnx2torch's keys): onnx2torch's converter (``nn.MaxPool2d`` etc.,
+    so models with static shapes lift as before) unless the node keeps ``auto_pad`` SAME_* (a dynamic
+    shape) or onnx2torch rejects it (asymmetric average-pool pads, ``storage_order=1``, the Indices
+    output, ``count_include_pad`` with asymmetric pads): then :class:`OnnxPool`."""
+    ours = _pool_converter(kind)
+
+    def convert(node: OnnxNode, graph: OnnxGraph):
+        if attr(node, "auto_pad", "NOTSET") in _SAME or len(node.output_values) > 1:
+            return ours(node, graph)
+        theirs = onnx2torch_converter(op_type, _ONNX2TORCH_VERSION[op_type])
+        try:
+            return theirs(node, graph)
+        except NotImplementedError:  # not a KeyError (no value_info for the input): reported as before
+            return ours(node, graph)
+
+    return convert
+
+
+_ONNX2TORCH_VERSION = {"MaxPool": 12, "AveragePool": 11}
+
+register_versions("AveragePool", 1, _pool_override("avg", "AveragePool"), override=(7, 10, 11), last=11)
 register_versions("AveragePool", 19, _pool_converter("avg"))
+register_versions("MaxPool", 1, _pool_override("max", "MaxPool"), override=(8, 10, 11, 12), last=12)
 register_versions("MaxPool", 22, _pool_converter("max"))
 register_versions("LpPool", 11, _pool_converter("lp"))
 

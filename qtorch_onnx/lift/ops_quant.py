@@ -25,7 +25,7 @@ from .ops_common import (
     TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, elem_type, register_converter,
     register_versions, result, torch_dtype,
 )
-from .ops_conv_pool import conv_nd
+from .ops_conv_pool import conv_nd, runtime_pads
 
 #: float8 element type -> (torch dtype, largest finite value)
 FLOAT8 = {TP.FLOAT8E4M3FN: (torch.float8_e4m3fn, 448.0), TP.FLOAT8E4M3FNUZ: (torch.float8_e4m3fnuz, 240.0),
@@ -334,18 +334,24 @@ register_versions("MatMulInteger", 10, lambda node, graph: result(OnnxMatMulInte
 
 
 def _conv_params(node: OnnxNode, w_rank: int):
+    """strides, pads, dilations, group, auto_pad of a ConvInteger / QLinearConv node (``auto_pad`` SAME_UPPER /
+    SAME_LOWER is kept and resolved per call from the input's size, see
+    :func:`~qtorch_onnx.lift.ops_conv_pool.runtime_pads`; VALID means zero pads)."""
     n = w_rank - 2
     auto_pad = attr(node, "auto_pad", "NOTSET")
-    if auto_pad not in ("NOTSET", "VALID"):
-        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad} needs static "
-                                     f"input shapes (normalization resolves it to pads when shapes are known)")
-    return (list(attr(node, "strides", [1] * n)), list(attr(node, "pads", [0] * 2 * n)),
-            list(attr(node, "dilations", [1] * n)), attr(node, "group", 1))
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise ConversionNotSupported(f"{node.operation_type} node {node.name!r}: auto_pad={auto_pad!r} (valid: NOTSET, "
+                                     f"VALID, SAME_UPPER, SAME_LOWER)")
+    pads = [0] * 2 * n if auto_pad == "VALID" else list(attr(node, "pads", [0] * 2 * n))
+    return (list(attr(node, "strides", [1] * n)), pads, list(attr(node, "dilations", [1] * n)), attr(node, "group", 1),
+            auto_pad)
 
 
-def _int_conv(x, x_zp, w, w_zp, bias, strides, pads, dilations, group) -> torch.Tensor:
-    """Exact integer convolution (float64 carries the int32 accumulation exactly): int64 result."""
+def _int_conv(x, x_zp, w, w_zp, bias, strides, pads, dilations, group, auto_pad="NOTSET") -> torch.Tensor:
+    """Exact integer convolution (float64 carries the int32 accumulation exactly): int64 result. ``auto_pad``
+    SAME_UPPER / SAME_LOWER: ``pads`` computed from x's spatial size (ONNX spec formula)."""
     n = w.dim() - 2
+    pads = runtime_pads(auto_pad, pads, x.shape[2:], w.shape[2:], strides, dilations)
     xv = _int_operand(x, x_zp, ()).to(torch.float64)
     wv = _int_operand(w, w_zp, (-1,) + (1,) * (n + 1)).to(torch.float64)
     acc = conv_nd(xv, wv, None, strides, pads, dilations, group)
@@ -359,13 +365,14 @@ class OnnxConvInteger(nn.Module, OnnxToTorchModule):
     """ONNX ConvInteger-10: ``conv(x - x_zero_point, w - w_zero_point)`` in int32 (zero padding after
     the zero-point shift); w_zero_point scalar or ``[M]`` per output channel."""
 
-    def __init__(self, strides, pads, dilations, group):
+    def __init__(self, strides, pads, dilations, group, auto_pad="NOTSET"):
         super().__init__()
         self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
+        self.auto_pad = auto_pad
 
     def forward(self, x, w, x_zero_point=None, w_zero_point=None):  # noqa: D102
         return _int_conv(x, x_zero_point, w, w_zero_point, None, self.strides, self.pads, self.dilations,
-                         self.group).to(torch.int32)
+                         self.group, self.auto_pad).to(torch.int32)
 
 
 def _w_rank(node: OnnxNode, graph: OnnxGraph, index: int) -> int:
@@ -424,12 +431,14 @@ class OnnxQLinearConv(nn.Module, OnnxToTorchModule):
     ``y = saturate(round(acc * x_scale * w_scale / y_scale) + y_zp)`` (w_scale / w_zp per tensor or per
     output channel ``[M]``); y has y_zero_point's dtype."""
 
-    def __init__(self, strides, pads, dilations, group):
+    def __init__(self, strides, pads, dilations, group, auto_pad="NOTSET"):
         super().__init__()
         self.strides, self.pads, self.dilations, self.group = strides, pads, dilations, group
+        self.auto_pad = auto_pad
 
     def forward(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point=None, b=None):  # noqa: D102
-        acc = _int_conv(x, x_zero_point, w, w_zero_point, b, self.strides, self.pads, self.dilations, self.group)
+        acc = _int_conv(x, x_zero_point, w, w_zero_point, b, self.strides, self.pads, self.dilations, self.group,
+                        self.auto_pad)
         n = w.dim() - 2
         ws = w_scale.to(torch.float32)
         ws = ws.reshape((1, -1) + (1,) * n) if ws.dim() and ws.numel() > 1 else ws.reshape(())

@@ -112,11 +112,15 @@ def test_same_pads_formula():
     assert same_pads([6], [4], [1], [1], "SAME_LOWER") == [2, 1]
 
 
-def test_auto_pad_same_on_dynamic_shape_is_a_model_error():
-    node = helper.make_node("MaxPool", ["x"], ["y"], auto_pad="SAME_UPPER", kernel_shape=[3, 3], name="pool")
-    m = make_model([node], [("x", F, ["N", 3, "H", "W"])], [("y", F, None)], opset=13)
-    with pytest.raises(ModelError, match="pool"):
-        normalize(m)
+def test_auto_pad_same_on_dynamic_shape_is_kept():
+    # symbolic H/W: the converters pad at run time (tests/lift/test_dynamic_shapes.py); VALID is still resolved
+    nodes = [helper.make_node("MaxPool", ["x"], ["y"], auto_pad="SAME_UPPER", kernel_shape=[3, 3], name="pool"),
+             helper.make_node("MaxPool", ["x"], ["v"], auto_pad="VALID", kernel_shape=[3, 3], name="valid")]
+    m = make_model(nodes, [("x", F, ["N", 3, "H", "W"])], [("y", F, None), ("v", F, None)], opset=13)
+    n = normalize(m)
+    attrs = [{a.name: helper.get_attribute_value(a) for a in node.attribute} for node in n.graph.node]
+    assert attrs[0]["auto_pad"] == b"SAME_UPPER" and "pads" not in attrs[0]
+    assert "auto_pad" not in attrs[1] and attrs[1]["pads"] == [0, 0, 0, 0]
 
 
 def _if_model(cond: bool):
