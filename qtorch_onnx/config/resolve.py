@@ -409,6 +409,14 @@ def _parse(qc: Any) -> _Parsed:
     kw["int32_bias"] = flag("Int32Bias", True)
     kw["quantize_bias"] = flag("QuantizeBias", True)
     kw["adjust_bias_scale"] = flag("AdjustBiasScale", True)
+    if not kw["adjust_bias_scale"]:
+        # Quark's AdjustBiasScale rewrites INT32 bias Q/DQ so that bias scale == activation scale x weight scale;
+        # here that equality holds by construction (the bias scale is derived from the live scales), so False
+        # (leave a different bias scale in place) cannot act
+        raise UnsupportedFeatureError(
+            f"{W}['AdjustBiasScale']=False is not supported: an INT32 bias's scale is always the activation scale "
+            "times the weight scale here (derived from the live scales, what ONNX Runtime's and Quark's integer "
+            "kernels assume); remove the key or set it to True")
     kw["bf16_qdq_to_cast"] = flag("BF16QDQToCast", False)
     kw["weight_scaled"] = flag("WeightScaled", False)
     kw["activation_scaled"] = flag("ActivationScaled", False)

@@ -81,11 +81,15 @@ def test_graph_flags_mapped():
             "AlignEltwiseQuantType": "align_eltwise_quant_type",
             "ForceQuantizeNoInputCheck": "force_quantize_no_input_check",
             "QuantizeAllOpTypes": "quantize_all_op_types", "Int32Bias": "int32_bias", "QuantizeBias": "quantize_bias",
-            "AdjustBiasScale": "adjust_bias_scale", "ActivationSymmetric": "activation_symmetric",
-            "WeightSymmetric": "weight_symmetric"}
+            "ActivationSymmetric": "activation_symmetric", "WeightSymmetric": "weight_symmetric"}
     for key, field in keys.items():
         for value in (True, False):
             assert getattr(resolve_config(_qc(**{key: value})), field) is value, key
+    # AdjustBiasScale: True is what this library always does (bias scale = activation scale x weight scale);
+    # False cannot act and is rejected with a message that says so
+    assert resolve_config(_qc(AdjustBiasScale=True)).adjust_bias_scale is True
+    with pytest.raises(UnsupportedFeatureError, match=r"AdjustBiasScale'\]=False is not supported.*set it to True"):
+        resolve_config(_qc(AdjustBiasScale=False))
 
 
 def test_numpy_scalars_accepted():
