@@ -19,6 +19,10 @@ explicit pads). Constant-weight Conv nodes become :class:`SameConv1d` / ``2d`` /
 torch's ``nn.Conv*d`` that keep the weight a parameter of the module; MaxPool-8..12 and AveragePool-7..11
 (onnx2torch's keys) are overridden to handle ``auto_pad`` and forms onnx2torch rejects (asymmetric
 average-pool pads, ``storage_order``, the Indices output), and delegate everything else to onnx2torch.
+The spec's formulas are followed where ONNX Runtime 1.32 departs from them with SAME_*: it rejects Conv with
+dilations, pads MaxPool/AveragePool as if the kernel were not dilated, clamps a negative ConvTranspose total
+padding (dilated kernel + output_padding < stride) to 0, and rejects pooling whose spec total is clamped to 0
+(kernel < stride); an exported model keeping ``auto_pad`` then runs ONNX Runtime's semantics there.
 
 ``conv_nd`` / ``conv_transpose_nd`` / ``runtime_pads`` are shared with the integer convolutions in ``ops_quant``.
 """
