@@ -33,7 +33,8 @@ Every rule needs its weight / bias / constant operands to be initializers read b
 other reader sees a changed value) and the intermediate tensor to have no other reader and not be a graph
 output (onnxscript's matcher checks that). Folded values are computed in float64 and stored in the
 weight's dtype. The fused node writes the name of the last tensor of its pattern, so graph inputs and
-outputs, and every tensor name that survives, keep their names; weights keep their initializer names
+outputs, and every tensor name that survives, keep their names; the fused node takes the name of the first node
+it replaced (the Conv of ``Conv -> Mul -> Add``, the MatMul of ``MatMul + Add``); weights keep their initializer names
 (their values change); a bias created by ``ConvAdd`` takes the added constant's name. The float function
 changes only by rounding (a few ulps of float32), as with ONNX Runtime's own fusions.
 """
@@ -250,6 +251,41 @@ def _tensor_names(graph: onnx.GraphProto) -> set:
     return names
 
 
+def _keep_node_names(before: onnx.GraphProto, after: onnx.GraphProto) -> None:
+    """Give each node the rewriter created the name of the first original node it replaced (in place on
+    ``after``): a fused ``Conv -> Mul -> Add`` keeps the Conv's name, ``MatMul + Add -> Gemm`` the MatMul's, so
+    ``nodes_to_exclude`` / ``nodes_to_quantize`` naming the layer still find it. The replaced nodes of a new
+    node are the original nodes whose outputs no longer exist and lie upstream of its output, up to its
+    inputs, plus the original producer of its output."""
+    old_names = {n.name for n in before.node}
+    producer = {o: n for n in before.node for o in n.output if o}
+    position = {id(n): i for i, n in enumerate(before.node)}
+    surviving = {o for n in after.node for o in n.output if o} | {t.name for t in after.initializer}
+    surviving |= {v.name for v in after.input}
+    taken = {n.name for n in after.node}
+    for node in after.node:
+        if node.name in old_names or not node.output or node.output[0] not in producer:
+            continue
+        stop = set(node.input)
+        replaced, todo, seen = [], [node.output[0]], set()
+        while todo:  # walk the original graph upstream from the fused output to the fused node's inputs
+            t = todo.pop()
+            src = producer.get(t)
+            if src is None or id(src) in seen or t in stop:
+                continue
+            if t != node.output[0] and t in surviving:
+                continue
+            seen.add(id(src))
+            replaced.append(src)
+            todo.extend(i for i in src.input if i)
+        for src in sorted(replaced, key=lambda n: position[id(n)]):
+            if src.name and src.name not in taken:
+                taken.discard(node.name)
+                node.name = src.name
+                taken.add(src.name)
+                break
+
+
 def fuse_for_quantization(model: onnx.ModelProto, *, max_rounds: int = 8) -> Tuple[onnx.ModelProto, FusionReport]:
     """Apply the fusions of this module's table to a copy of ``model``.
 
@@ -302,6 +338,7 @@ def fuse_for_quantization(model: onnx.ModelProto, *, max_rounds: int = 8) -> Tup
     del fused.graph.value_info[:]
     report.nodes_after = len(fused.graph.node)
     after = _tensor_names(fused.graph)
+    _keep_node_names(model.graph, fused.graph)
     # a vanished intermediate of a fused pattern: the surviving output of the node that replaced it is
     # the first surviving downstream tensor of the original graph reading it (one reader, by construction)
     readers: Dict[str, List[onnx.NodeProto]] = {}

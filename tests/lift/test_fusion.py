@@ -63,6 +63,7 @@ def test_conv_mul_add_becomes_one_biased_conv(bias, shared_add):
     convs = [n for n in fused.graph.node if n.op_type == "Conv"]
     assert len(convs) == 1 and len(convs[0].input) == 3 and "Mul" not in _ops(fused)
     assert convs[0].output[0] == "a"  # the fused conv writes the last tensor of the pattern
+    assert convs[0].name == "conv"  # and keeps the layer's node name (nodes_to_exclude etc. still find it)
     assert convs[0].input[1] == "w"  # the weight keeps its initializer name
     bias_name = convs[0].input[2]
     if bias:
@@ -122,6 +123,7 @@ def test_matmul_add_to_gemm_with_constants_only():
     model = _model(nodes, inits, None, in_shape=(1, 4))
     fused, aliases, report = normalize_and_fuse(model, optimize=True)
     assert report.applied == {"MatMul+Add->Gemm": 1} and "Gemm" in _ops(fused) and aliases["mm"] == "y"
+    assert next(n for n in fused.graph.node if n.op_type == "Gemm").name == "mm"
     x = RNG.normal(size=(3, 4)).astype(np.float32)
     np.testing.assert_allclose(_run(fused, x), _run(normalize(model), x), rtol=1e-6, atol=1e-6)
 
@@ -178,3 +180,11 @@ def test_prepare_follows_optimize_model_and_exports_bit_exact():
         else:
             assert qm.gm.fusion_report is None
     assert counts[True] < counts[False]
+
+
+def test_nodes_to_exclude_finds_a_fused_layer_by_its_name():
+    model = _conv_bn_affine()
+    cfg = qo.get_default_config("A8W8")
+    cfg.nodes_to_exclude = ["conv"]
+    qm = qo.prepare(model, cfg)
+    assert qm.gm.fusion_report.applied and "w" not in qm.quantizers()  # the excluded Conv's weight stays float
