@@ -483,7 +483,9 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
     # block formats: the block axis follows the reduction axis (CONFIG.md)
     for t, s in list(specs.items()):
         if isinstance(s.fmt, (BFPFormat, MXFormat)):
-            specs[t] = dataclasses.replace(s, axis=block_axis(info, s.tensor, s.consumer))
+            key = "BFPAttributes" if isinstance(s.fmt, BFPFormat) else "MXAttributes"
+            axis = block_axis(info, s.tensor, s.consumer, default=cfg.block_axes.get(key), key=key)
+            specs[t] = dataclasses.replace(s, axis=axis)
     return Plan(specs=specs, info=info)
 
 
@@ -561,12 +563,18 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
     return edges
 
 
-def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None) -> int:
+def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None, default: Optional[int] = None,
+               key: str = "BFPAttributes") -> int:
     """Block axis of a tensor for BFP/MX formats (CONFIG.md extra_options, block formats).
 
     MatMul A: last axis, B: second to last; Gemm A: 1 (0 when transA), B: 0 (1 when transB); Softmax:
-    its axis; Conv and everything else: axis 1; 1-D tensors: axis 0. The first reader that decides wins;
-    with ``consumer`` (a consumer-side quantizer) only that reader counts.
+    its axis (the reduction axis decides: a block must not straddle it); Conv and everything else:
+    ``default`` (the ``axis`` of ``BFPAttributes`` / ``MXAttributes``, negative counts from the end) or axis 1;
+    1-D tensors: axis 0. The first reader that decides wins; with ``consumer`` (a consumer-side quantizer)
+    only that reader counts.
+
+    Raises:
+        ConfigError: ``default`` is not an axis of the tensor (names ``key``, the tensor and its rank).
     """
     shape = info.shape.get(tensor)
     ndim = len(shape) if shape is not None else 4
@@ -586,4 +594,9 @@ def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None) -> 
         if n.op_type == "Softmax" and n.input[0] == tensor:
             ax = attrs.get("axis", -1)
             return ax % ndim
-    return 1
+    if default is None:
+        return 1
+    if not -ndim <= default < ndim:
+        raise ConfigError(f"extra_options[{key!r}]['axis']={default} is not an axis of "
+                          f"tensor {tensor!r} (rank {ndim}); valid: {-ndim}..{ndim - 1}")
+    return default % ndim

@@ -126,6 +126,9 @@ class ResolvedConfig:
     tensor_quant_overrides: Mapping[str, Any] = field(default_factory=dict)
     # tensor-wise mixed precision: tensor name -> Format
     tensor_precision: Mapping[str, Format] = field(default_factory=dict)
+    # the user's block axis ("BFPAttributes" / "MXAttributes" -> axis) for the tensors whose readers do not
+    # decide one (placement.block_axis)
+    block_axes: Mapping[str, int] = field(default_factory=dict)
     # pipeline extras
     optimize_model: bool = True
     use_external_data_format: bool = False

@@ -83,3 +83,38 @@ def test_block_quantizer_matches_ops_bit_for_bit():
     w = x.clone().requires_grad_(True)
     fq(w).sum().backward()
     assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.parametrize("attrs,kind", [("BFPAttributes", "BFP16"), ("MXAttributes", "MXINT8")])
+def test_user_block_axis_acts_where_the_reader_does_not_decide(attrs, kind):
+    """``axis`` in BFPAttributes / MXAttributes (Quark's named BFP16 sets 1) is the block axis of the tensors whose
+    readers do not decide one (Conv inputs and weights); MatMul/Gemm inputs keep their reduction axis; the export
+    is bit-exact in ONNX Runtime; an axis the tensor lacks is an error naming the key and the tensor."""
+    import onnx
+
+    from qtorch_onnx.data import to_samples
+    from qtorch_onnx.runtime import check_parity
+
+    cfg = qo.get_default_config(kind)
+    base = dict(cfg.extra_options[attrs])
+    default_specs = qo.prepare(cnn(), cfg).plan.specs
+    cfg.extra_options[attrs] = {**base, "axis": 1}  # Quark's named config: the same as ours without it
+    assert {t: s.axis for t, s in qo.prepare(cnn(), cfg).plan.specs.items()} == \
+        {t: s.axis for t, s in default_specs.items()}
+    cfg.extra_options[attrs] = {**base, "axis": -1}
+    qm = qo.prepare(cnn(), cfg)
+    specs = qm.plan.specs
+    assert specs["input"].axis == 3 and specs["w2"].axis == 3  # Conv input and weight: the user's axis (W)
+    assert specs["fc_w"].axis == 1 and specs["flat"].axis == 1  # Gemm: still the reduction axis
+    if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
+        qo.calibrate(qm, calib_data(2), progress=False)
+    else:
+        qm.set_mode("quantize")
+    exported, qmap = qo.export(qm, None, return_map=True)
+    onnx.checker.check_model(exported, full_check=True)
+    rep = check_parity(qm, exported, qmap, to_samples(calib_data(2, seed=7), qm.input_specs),
+                       opt_levels=("ORT_DISABLE_ALL",))
+    assert all(n.exact for n in rep.nodes), [n for n in rep.nodes if not n.exact]
+    cfg.extra_options[attrs] = {**base, "axis": 4}
+    with pytest.raises(qo.ConfigError, match=rf"{attrs}'\]\['axis'\]=4 is not an axis of tensor .*rank 4"):
+        qo.prepare(cnn(), cfg)
