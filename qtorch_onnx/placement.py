@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import onnx
 
@@ -318,21 +318,31 @@ def _reachable(info: GraphInfo, starts: List[str], downstream: bool) -> set:
     return seen
 
 
-def _check_names(kind: str, names, valid, what: str) -> None:
+def _check_names(kind: str, names, valid, what: str, aliases: Optional[Mapping[str, Optional[str]]] = None) -> None:
     valid = list(valid)
     for name in names:
         if name not in valid:
+            if aliases and name in aliases:  # in the user's model, gone from the normalized / optimized graph
+                now = aliases[name]
+                where = f"its value now flows through {now!r}" if now else "it was folded away"
+                raise ConfigError(f"{kind}: tensor {name!r} of the model does not exist after normalization and "
+                                  f"graph optimization ({where}: a BatchNormalization fold or an optimize_model "
+                                  f"fusion); name the surviving tensor, or set optimize_model=False to quantize "
+                                  f"the graph as given")
             near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
             hint = f"; near matches: {near}" if near else ""
             raise ConfigError(f"{kind}: {name!r} is not {what} of the model{hint}")
 
 
-def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
+def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
+                      aliases: Optional[Mapping[str, Optional[str]]] = None) -> Plan:
     """Decide the quantizer of every tensor.
 
     Args:
         model: the normalized, shape-inferred ONNX model (not modified).
         cfg: the resolved configuration.
+        aliases: tensor names of the user's model that normalization / graph optimization removed -> the
+            surviving tensor (``tensor_map.aliases``), for the error naming such a tensor in the config.
 
     Returns:
         A :class:`Plan`.
@@ -346,8 +356,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig) -> Plan:
                        ("input_nodes", cfg.input_nodes), ("output_nodes", cfg.output_nodes)):
         _check_names(key, names, node_names, "a node")
     tensor_names = info.all_tensors()
-    _check_names("MixedPrecisionTensor", list(cfg.tensor_precision), tensor_names, "a tensor")
-    _check_names("TensorQuantOverrides", list(cfg.tensor_quant_overrides), tensor_names, "a tensor")
+    _check_names("MixedPrecisionTensor", list(cfg.tensor_precision), tensor_names, "a tensor", aliases)
+    _check_names("TensorQuantOverrides", list(cfg.tensor_quant_overrides), tensor_names, "a tensor", aliases)
 
     act_fmt, w_fmt = cfg.activation, cfg.weight
     float_formats = isinstance(act_fmt, FloatFormat) or isinstance(w_fmt, FloatFormat)

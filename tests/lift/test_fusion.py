@@ -188,3 +188,15 @@ def test_nodes_to_exclude_finds_a_fused_layer_by_its_name():
     cfg.nodes_to_exclude = ["conv"]
     qm = qo.prepare(model, cfg)
     assert qm.gm.fusion_report.applied and "w" not in qm.quantizers()  # the excluded Conv's weight stays float
+
+
+def test_an_override_on_a_fused_tensor_says_what_happened():
+    model = _conv_bn_affine()
+    cfg = qo.get_default_config("A8W8")
+    cfg.extra_options = {**cfg.extra_options, "TensorQuantOverrides": {"c": [{"scale": np.float32(0.1),
+                                                                             "zero_point": np.int8(0)}]}}
+    with pytest.raises(qo.ConfigError, match=r"tensor 'c' of the model does not exist after .*flows through 'a'.*"
+                                             r"optimize_model=False"):
+        qo.prepare(model, cfg)
+    cfg.optimize_model = False  # the graph as given: the Conv output exists and takes the override
+    assert "c" in qo.prepare(model, cfg).quantizers()
