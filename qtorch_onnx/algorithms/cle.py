@@ -5,7 +5,8 @@ section 4.1: for two layers ``y = W2 f(W1 x + b1)`` with ``f`` positively homoge
 (``f(c x) = c f(x)`` for ``c > 0``: Relu, LeakyRelu, PRelu, zero padding, pooling, identity), scaling output
 channel ``i`` of the first layer by ``c_i`` and input channel ``i`` of the second by ``1 / c_i`` leaves the
 float function unchanged. With ``r1_i`` / ``r2_i`` the channel's largest ``|w|`` in each layer (the first
-layer's bias included with CLEScaleAppendBias), ``c_i = sqrt(r2_i / r1_i)`` makes both ``sqrt(r1_i r2_i)``: the
+layer's bias included with CLEScaleAppendBias, weighed against the channel's weighted sum: :func:`bias_range`),
+``c_i = sqrt(r2_i / r1_i)`` makes both ``sqrt(r1_i r2_i)``: the
 per-tensor weight ranges stop being dominated by a few channels, which is what per-tensor INT8 / INT4 weights
 of depthwise-separable networks suffer from.
 
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..config.internal import CLESettings
 
-__all__ = ["cross_layer_equalization", "replace_clip6_relu", "equalization_pairs", "CLEReport"]
+__all__ = ["cross_layer_equalization", "replace_clip6_relu", "equalization_pairs", "bias_range", "CLEReport"]
 
 #: element-wise / per-channel ops with f(c x) = c f(x) for c > 0 (per channel); Pad only with zero padding
 HOMOGENEOUS = ("Relu", "LeakyRelu", "PRelu", "Identity", "Pad", "MaxPool", "AveragePool", "GlobalAveragePool",
@@ -181,10 +182,30 @@ def equalization_pairs(gm) -> List[Tuple[str, str, List[str]]]:
 
 
 def _ranges_out(w: torch.Tensor, b: Optional[torch.Tensor], append_bias: bool) -> torch.Tensor:
+    """Range of each output channel of the first layer of a pair: its largest ``|w|``; with ``append_bias``
+    (CLEScaleAppendBias) the bias counts too, in the weights' units (see :func:`bias_range`)."""
     r = w.detach().abs().reshape(w.shape[0], -1).amax(1)
     if append_bias and b is not None:
-        r = torch.maximum(r, b.detach().abs())
+        r = torch.maximum(r, bias_range(w, b))
     return r
+
+
+def bias_range(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What the bias of each output channel counts in that channel's weight range under CLEScaleAppendBias.
+
+    A bias is a weight on a constant input of 1, while a weight meets an activation, so ``|b_i|`` and
+    ``max |w_i|`` are not in the same units: comparing them directly (``max(max |w_i|, |b_i|)``) lets a large
+    bias drive the scale of a channel whose weights are small, and unbalances the weights CLE is meant to
+    balance (EfficientNet-Lite0: biases up to 46 against weights up to 8). Here the bias is weighed against what
+    the weights can contribute to the channel's output: for inputs bounded by 1, at most ``||w_i||_1``. The bias
+    counts as the range ``max |w_i| * |b_i| / ||w_i||_1``: it raises the channel's range above its weights' only
+    where the bias outweighs the whole weighted sum. It scales with the channel (``c w_i, c b_i`` -> ``c`` times),
+    so the equalization stays a fixed point after one sweep. A channel with all-zero weights counts ``0``."""
+    wa = w.detach().abs().reshape(w.shape[0], -1)
+    l1 = wa.sum(1)
+    r = wa.amax(1)
+    return torch.where(l1 > 0, b.detach().abs().to(r.dtype) * r / l1.clamp_min(torch.finfo(r.dtype).tiny),
+                       torch.zeros_like(r))
 
 
 def _ranges_in(w: torch.Tensor, groups: int) -> torch.Tensor:

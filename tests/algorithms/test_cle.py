@@ -151,3 +151,55 @@ def _single_conv():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
+
+
+def _biased_pair(seed: int = 0) -> onnx.ModelProto:
+    """x [N,4,6,6] -> Conv 3x3 (8; biases 0.5x the channel's ||w||_1 on channels 0-3, 4x on 4-7) -> Relu ->
+    Conv 1x1 (5)."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.normal(0, 1, (8, 4, 3, 3)) * np.logspace(-1, 1, 8)[:, None, None, None]).astype(np.float32)
+    l1 = np.abs(w1).reshape(8, -1).sum(1)
+    b1 = (l1 * np.array([0.5] * 4 + [4.0] * 4) * np.array([1, -1] * 4)).astype(np.float32)
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"),
+             numpy_helper.from_array(rng.normal(0, 0.3, (5, 8, 1, 1)).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.normal(0, 0.1, 5).astype(np.float32), "b2")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["a1"], name="act1"),
+             helper.make_node("Conv", ["a1", "w2", "b2"], ["y"], name="conv2")]
+    g = helper.make_graph(nodes, "biased", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5, 6, 6])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_append_bias_weighs_the_bias_against_the_weighted_sum():
+    """CLEScaleAppendBias: a bias counts in its channel's range as max|w_i| * |b_i| / ||w_i||_1 (bias_range), not
+    as |b_i| itself: channels whose bias is below their weighted sum end with both layers' weight ranges equal
+    (compared raw, a bias of 0.5 ||w_i||_1 > max|w_i| would have set their scale); the others keep the
+    bias' excess as a factor; one sweep is a fixed point; the float function is unchanged."""
+    from qtorch_onnx.algorithms.cle import bias_range
+
+    gm = _lifted(_biased_pair())
+    x = torch.from_numpy(np.random.default_rng(2).normal(0, 1, (3, 4, 6, 6)).astype(np.float32))
+    with torch.no_grad():
+        before = gm(x).clone()
+    m1 = gm.get_submodule(gm.tensor_map.graph.nodes["conv1"].module)
+    m2 = gm.get_submodule(gm.tensor_map.graph.nodes["conv2"].module)
+    assert torch.all(m1.bias.detach().abs()[:4] > m1.weight.detach().abs().reshape(8, -1).amax(1)[:4])
+    rep = cross_layer_equalization(gm, CLESettings(steps=1, use_threshold=False, append_bias=True))
+    assert [(a, b) for a, b, _ in rep.pairs] == [("conv1", "conv2")]
+    with torch.no_grad():
+        after = gm(x)
+    assert torch.allclose(before, after, rtol=1e-4, atol=1e-4)
+    r1 = m1.weight.detach().abs().reshape(8, -1).amax(1)
+    r2 = m2.weight.detach().abs().reshape(5, 8).amax(0)
+    assert torch.allclose(r1[:4], r2[:4], rtol=1e-5)
+    assert torch.allclose(4 * r1[4:], r2[4:], rtol=1e-5)
+    assert torch.allclose(bias_range(m1.weight, m1.bias)[4:], r2[4:], rtol=1e-5)
+    w1, w2 = m1.weight.detach().clone(), m2.weight.detach().clone()
+    cross_layer_equalization(gm, CLESettings(steps=1, use_threshold=False, append_bias=True))
+    assert torch.allclose(m1.weight, w1, rtol=1e-5) and torch.allclose(m2.weight, w2, rtol=1e-5)
+    # a channel with all-zero weights: its bias counts nothing (no division by zero)
+    z = bias_range(torch.zeros(2, 3), torch.tensor([5.0, -1.0]))
+    assert torch.equal(z, torch.zeros(2))
