@@ -28,28 +28,52 @@ from qtorch_onnx.metrics import cosine_similarity, relative_l2
 from qtorch_onnx.runtime import check_parity, session
 
 
+class _Stages:
+    """Prints each stage of a run with the seconds since the run began (``verbose=False``: silent)."""
+
+    def __init__(self, t0: float, verbose: bool):
+        self.t0, self.verbose = t0, verbose
+
+    def __call__(self, what: str) -> None:
+        if self.verbose:
+            print(f"  [{time.perf_counter() - self.t0:6.1f} s] {what}", flush=True)
+
+
+def _progress(items, desc: str, verbose: bool):
+    if not verbose:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, leave=False)
+
+
 def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str | None,
-            deploy: bool = True, optimize_model: bool = True) -> dict:
+            deploy: bool = True, optimize_model: bool = True, verbose: bool = True) -> dict:
     """Quantize ``model_name`` with the named ``config`` (``optimize_model``: Quark's key, graph optimization
     before quantization, on by default as in Quark), evaluate the emulation against float and, with
-    ``deploy``, export and check ONNX Runtime against the emulation. Returns one results row (see
-    :func:`table`)."""
+    ``deploy``, export and check ONNX Runtime against the emulation; ``verbose`` prints each stage with its
+    time and progress bars. Returns one results row (see :func:`table`)."""
     t0 = time.perf_counter()
+    stage = _Stages(t0, verbose)
+    stage("fetch the model and build the images (first run: downloads and caches the packages)")
     path = zoo.fetch_model(model_name)
     calib, _ = zoo.model_inputs(model_name, split="calib", n=n_calib)
     evald, labels = zoo.model_inputs(model_name, split="eval", n=n_eval)
     cfg = qo.get_default_config(config)
     cfg.optimize_model = optimize_model
+    stage("prepare: normalize, optimize the graph, lift to torch.fx, place quantizers")
     qm = qo.prepare(path, cfg, device=device)
     if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
-        qo.calibrate(qm, calib, progress=True)
+        stage(f"calibrate on {len(calib)} images")
+        qo.calibrate(qm, calib, progress=verbose)
     else:
         qm.set_mode("quantize")
     samples = to_samples(evald, qm.input_specs, what="evaluation data")
+    stage(f"evaluate the emulation against the float model on {len(samples)} held-out images")
     float_sess = session(qm.onnx_model)
     float_out, quant_out = [], []
     with torch.no_grad():
-        for s in samples:
+        for s in _progress(samples, "evaluate", verbose):
             float_out.append(float_sess.run(None, {i.name: x.numpy() for i, x in zip(float_sess.get_inputs(), s)})[0])
             y = qm(*(x.to(qm.device) for x in s))
             quant_out.append((y[0] if isinstance(y, tuple) else y).cpu().numpy())
@@ -72,6 +96,7 @@ def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str
         "quantized_tensors": sum(qm.plan.counts().values()), "n_eval": len(samples),
     }
     if deploy:
+        stage("export Q/DQ ONNX and check every quantizer node in ONNX Runtime against the emulation")
         exported, qmap = qo.export(qm, None, return_map=True)
         rep = check_parity(qm, exported, qmap, samples)
         exact, total = rep.nodes_exact
