@@ -185,6 +185,8 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
         opts.update(moving_average=cfg.moving_average, averaging_constant=cfg.moving_average_constant)
     elif method == "Percentile":
         opts.update(percentile=cfg.percentile, num_bins=cfg.num_bins)
+    elif method in ("Entropy", "Distribution"):
+        opts.update(num_bins=cfg.num_bins)
     if isinstance(spec.fmt, FloatFormat):  # scaled BF16/FP16 take a plain range
         opts = {"name": spec.tensor}
         method = "MinMax"

@@ -272,6 +272,14 @@ def test_histogram_calibration_methods(method):
     cfg.calibrate_method = getattr(qo.CalibrationMethod, method)
     qm = _quantize(cnn(), qo.Config(global_quant_config=cfg), calib_data(3))
     assert all(fq.calibrated for fq in qm.quantizers().values())
+    # NumBins acts on every histogram method: its default (128 for Entropy as in ONNX Runtime's calibrator,
+    # else 2048) and a given value reach the activation observers
+    acts = [fq.observer for fq in qm.quantizers().values() if fq.role == "activation" and fq.observer is not None]
+    assert acts and all(o.num_bins == (128 if method == "Entropy" else 2048) for o in acts)
+    cfg.extra_options = {**cfg.extra_options, "NumBins": 512}
+    qm = qo.prepare(cnn(), qo.Config(global_quant_config=cfg))
+    acts = [fq.observer for fq in qm.quantizers().values() if fq.role == "activation" and fq.observer is not None]
+    assert acts and all(o.num_bins == 512 for o in acts)
 
 
 def test_negative_dim_value_is_a_dynamic_dimension():
