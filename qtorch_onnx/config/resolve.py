@@ -257,7 +257,7 @@ def _parse_bfp(d: Any, where: str) -> tuple[F.BFPFormat, Optional[int]]:
     rounding = _int(opts.get("rounding_mode", default.rounding_mode), f"{where}['rounding_mode']", 0, 2)
     sub_block = _int(opts.get("sub_block_size", default.sub_block_size), f"{where}['sub_block_size']", 1)
     shift_bits = _int(opts.get("sub_block_shift_bits", default.sub_block_shift_bits),
-                      f"{where}['sub_block_shift_bits']", 0, 8)
+                      f"{where}['sub_block_shift_bits']", 1, 8)
     cvt = opts.get("convert_to_bfloat_before_bfp", default.convert_to_bfloat_before_bfp)
     cvt = int(_bool(cvt, f"{where}['convert_to_bfloat_before_bfp']")) if isinstance(cvt, bool) else \
         _int(cvt, f"{where}['convert_to_bfloat_before_bfp']", 0, 1)

@@ -193,6 +193,8 @@ def test_mixed_precision_tensor_needs_specific_tensor_precision():
     (lambda: _qc(BFPAttributes={"block_size": 0}), ["block_size"]),
     (lambda: _qc(BFPAttributes={"bit_width": 9}), ["bit_width"]),
     (lambda: _qc(BFPAttributes={"bit_width": 16.0}), ["bit_width", "int"]),
+    (lambda: _qc(BFPAttributes={"bfp_method": "to_bfp_prime", "bit_width": 13, "block_size": 16, "sub_block_size": 2,
+                                "sub_block_shift_bits": 0}), ["sub_block_shift_bits", "[1, 8]"]),
     (lambda: _qc(BFPAttributes={"bfp_method": "to_bfp_prime", "block_size": 15}), ["multiple", "sub_block_size"]),
     (lambda: _qc(BFPAttributes={"axis": "1"}), ["axis", "int"]),
     (lambda: _qc(BFPAttributes=[1]), ["BFPAttributes", "dict"]),
