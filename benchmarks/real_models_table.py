@@ -355,7 +355,7 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
         return got
 
     for c in configs:
-        rec["configs"][c] = {"ours": ours(c)}
+        rec["configs"][c] = {"ours": ours(c, dict(args.ours_set) or None)}
     if quark is None:
         return rec
     save_data(work / "calib.npz", calib, names, None)
@@ -556,6 +556,19 @@ def _git() -> str:
         return os.environ.get("QTORCH_ONNX_GIT_COMMIT", f"? (not a git checkout: {where})")
 
 
+def _field_value(text: str):
+    """``"include_cle=True"`` -> ``("include_cle", True)`` (the value a Python literal)."""
+    import ast
+
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    try:
+        return field, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 0.5, 'x')") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=None, help="zoo models (default: all but ddddocr-old)")
@@ -563,6 +576,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=None, help="first N samples of each split (default: all, 16)")
     ap.add_argument("--samples-for", nargs="+", default=[], metavar="MODEL=N", help="per-model --samples")
     ap.add_argument("--skip-quark", action="store_true")
+    ap.add_argument("--ours-set", nargs="+", default=[], metavar="FIELD=VALUE", type=_field_value,
+                    help="set these QuantizationConfig fields on ours' named config for every row (a Python "
+                         "literal: --ours-set include_cle=True); Quark keeps its named config")
     ap.add_argument("--out", default="out/real_models_table")
     cache = Path(os.environ.get("QTORCH_ONNX_CACHE", Path.home() / ".cache" / "qtorch_onnx"))
     ap.add_argument("--venv", default=str(cache / "quark-venv"))
