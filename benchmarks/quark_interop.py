@@ -63,7 +63,7 @@ CI_SAMPLES = 1  # evaluation samples stored per model in tests/data/quark_intero
 CNN_HW = 8  # image side for the small cnn (keeps the CI data in tests/data/quark_interop small)
 QUARK_REQUIREMENT = "amd-quark==0.13"
 QUARK_WHEEL_NAME = "amd_quark-0.13-py3-none-any.whl"
-QUARK_WHEEL_SHA256 = "3b3e58a4cbbcff20d27815b641aa4de4d698efde3c782306cb4a6a05bcf55c8c"  # as OPS.md / ort_ops.build
+QUARK_WHEEL_SHA256 = "3b3e58a4cbbcff20d27815b641aa4de4d698efde3c782306cb4a6a05bcf55c8c"  # as docs/operators.md / ort_ops.build
 VENV_REQUIREMENTS = ["torch==2.13.0", "onnxruntime>=1.22.2,<=1.28.0"]
 CUSTOM_DOMAINS = ("com.amd.quark", "com.vai.quantize")
 BLOCK_OPS = ("BFPQuantizeDequantize", "MXQuantizeDequantize", "BFPFixNeuron", "MXFixNeuron")

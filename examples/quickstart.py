@@ -1,6 +1,6 @@
 """Main job: quantize real ONNX models on real images, deploy to ONNX Runtime, and compare.
 
-For each model (fetched from its registry package, see REAL_MODELS.md) and each configuration, this
+For each model (fetched from its registry package, see docs/models.md) and each configuration, this
 calibrates on one set of real images, evaluates on another, exports Q/DQ ONNX, runs it in ONNX Runtime and
 prints per model and config: top-1 agreement with float, top-1 accuracy where labels exist, cosine
 similarity, relative L2, ONNX Runtime against the emulation (quantizer nodes bit-exact, output elements

@@ -1,4 +1,4 @@
-"""Export: write a QuantizedModel's quantizers and weights back into its ONNX graph (OPS.md).
+"""Export: write a QuantizedModel's quantizers and weights back into its ONNX graph (docs/operators.md).
 
 Installed as ``qtorch_onnx.export``. The exported model is the normalized input model with quantizer nodes
 on the quantized tensors and the current (possibly finetuned) weights:
@@ -53,7 +53,7 @@ from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
 __all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "save_bytes_atomic", "safe_name",
            "QUARK_DOMAIN"]
 
-#: custom operator domain of Quark 0.13 and of this project's operator library (OPS.md)
+#: custom operator domain of Quark 0.13 and of this project's operator library (docs/operators.md)
 QUARK_DOMAIN = "com.amd.quark"
 
 _INT_ONNX = {
@@ -380,7 +380,7 @@ def _axis_attrs(fq: FakeQuantize) -> dict:
 
 
 def _block_node(base: str, src: str, out: str, fq: FakeQuantize) -> onnx.NodeProto:
-    """``BFPQuantizeDequantize`` / ``MXQuantizeDequantize`` with every attribute written out (OPS.md)."""
+    """``BFPQuantizeDequantize`` / ``MXQuantizeDequantize`` with every attribute written out (docs/operators.md)."""
     fmt = fq.fmt
     axis = {} if fq.onnx_axis is None else {"axis": int(fq.onnx_axis)}
     if isinstance(fmt, BFPFormat):
@@ -443,7 +443,7 @@ def _activation_nodes(tensor, base, src, out, fq: FakeQuantize, qdomain):
         qn.nodes = [qname, dqname]
         qn.initializers = [s, z]
         return nodes, inits, qn
-    # Cast form of BF16 / FP16 (NUMERICS.md section 3)
+    # Cast form of BF16 / FP16 (docs/numerics.md section 3)
     return _cast_form(tensor, base, src, out, fq, qn)
 
 

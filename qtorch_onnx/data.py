@@ -1,6 +1,6 @@
 """Calibration / evaluation data: every accepted form turned into validated samples.
 
-Accepted (CONFIG.md "Calibration data"): an object with ``get_next()`` returning ``{input_name: ndarray}``
+Accepted (docs/configuration.md "Calibration data"): an object with ``get_next()`` returning ``{input_name: ndarray}``
 or None (ONNX Runtime's ``CalibrationDataReader``); an iterable of such dicts, of arrays/tensors (single-input
 models) or of tuples in input order; a torch ``DataLoader`` (batches of tensors, tuples, or dicts); a folder of
 ``.npy`` / ``.npz`` files (sorted by name; ``.npz`` keys are input names, ``.npy`` a single-input model's input).

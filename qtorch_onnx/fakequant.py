@@ -10,7 +10,7 @@ Two independent switches, as in ``torch.ao.quantization.FakeQuantize``:
 * ``observer_enabled``: activations feed their observer (calibration statistics); weights and value-derived
   biases recompute their qparams from the tensor they receive (the live parameter) on every call;
 * ``fake_quant_enabled``: quantize-dequantize (float32), differentiable with the straight-through estimator of
-  NUMERICS.md section 8; an uncalibrated quantizer passes its input through until it has parameters.
+  docs/numerics.md section 8; an uncalibrated quantizer passes its input through until it has parameters.
 
 The older ``mode`` names map onto them: ``"float"`` (both off), ``"observe"`` (observer only), ``"quantize"``
 (fake quantization; weights keep following their live values).
@@ -100,9 +100,9 @@ class FakeQuantize(nn.Module):
         narrow_range: clip to ``[-qmax, qmax]`` (symmetric weights: INT8 never takes -128).
         observer: a :mod:`qtorch_onnx.observers` observer used in ``"observe"`` mode, or None.
         scaled: BF16/FP16 only: use a calibrated scale ``max(|rmin|, |rmax|) / 2`` (WeightScaled /
-            ActivationScaled, NUMERICS.md section 3) instead of 1.0.
+            ActivationScaled, docs/numerics.md section 3) instead of 1.0.
         onnx_axis: the same axis in the ONNX tensor's layout (export uses it); defaults to ``axis``.
-        power_of_two: integer scales from a range are powers of two (NonOverflow rule, NUMERICS.md section 1).
+        power_of_two: integer scales from a range are powers of two (NonOverflow rule, docs/numerics.md section 1).
         consumer: None for a tensor's own quantizer; the ONNX node name for a consumer-side quantizer that
             only that node's reads pass through (layer-wise mixed precision, ``placement.QuantSpec``).
         chained: consumer-side only: it reads the output of the tensor's own quantizer (``DualQuantNodes``)
@@ -156,14 +156,14 @@ class FakeQuantize(nn.Module):
         self.learnable = False
         self.rounding: Optional[WeightRounding] = None
         self.__dict__["_bias_sources"] = None
-        #: BF16/FP16 export form (NUMERICS.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
+        #: BF16/FP16 export form (docs/numerics.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
         #: ExtendedDequantizeLinear, dividing by the scale) or "cast" (BF16QDQToCast: Mul by float32(1/scale)
         #: -> Cast -> Cast -> Mul by the scale). prepare() sets it from the configuration.
         self.float_form = "qdq" if isinstance(fmt, FloatFormat) and not scaled else "cast"
         #: block formats: "auto" (Triton kernels for CUDA tensors, the formats/ reference elsewhere),
         #: "reference" or "triton" (qtorch_onnx.ops.BACKENDS); all give the same bits.
         self.backend = "auto"
-        #: export form of integer Q/DQ: the node domain ("" or "com.microsoft"); None = export's rule (OPS.md).
+        #: export form of integer Q/DQ: the node domain ("" or "com.microsoft"); None = export's rule (docs/operators.md).
         #: Set when a quantized model is imported (qtorch_onnx.load_quantized), to write it back as it came.
         self.qdq_domain: Optional[str] = None
         #: export form of weights: "quantized" (the integer / 16-bit initializer -> DequantizeLinear) or "float"
@@ -353,7 +353,7 @@ class FakeQuantize(nn.Module):
         return self
 
     def set_bias_sources(self, input_quantizer: "FakeQuantize", weight_quantizer: "FakeQuantize") -> None:
-        """Derive this INT32 bias quantizer's scale live: ``float32(scale_x * scale_w)`` (NUMERICS.md section 1)
+        """Derive this INT32 bias quantizer's scale live: ``float32(scale_x * scale_w)`` (docs/numerics.md section 1)
         from the two quantizers' current scales, on every forward and at export (never a stale copy)."""
         self.__dict__["_bias_sources"] = (input_quantizer, weight_quantizer)
         self.observer_enabled = False
@@ -481,7 +481,7 @@ class FakeQuantize(nn.Module):
                                      rounding=rounding)
 
     def compute_qparams_from_range(self, rmin: torch.Tensor, rmax: torch.Tensor) -> None:
-        """Set scale and zero point from a calibrated range (NUMERICS.md sections 1 and 3).
+        """Set scale and zero point from a calibrated range (docs/numerics.md sections 1 and 3).
 
         Integer formats use the symmetric / asymmetric rule of section 1; scaled BF16/FP16 use
         ``scale = float32(max(|rmin|, |rmax|) / 2)`` (section 3).
@@ -529,7 +529,7 @@ class FakeQuantize(nn.Module):
             per_channel = self.scale.dim() > 0
             axis = self.axis if per_channel else None
             if self.role == "bias" and fmt.bits == 32:
-                # INT32 bias: float64 division (NUMERICS.md section 1), straight-through gradient
+                # INT32 bias: float64 division (docs/numerics.md section 1), straight-through gradient
                 with torch.no_grad():
                     q = _integer.quantize_bias(x, self.scale)
                     y = _integer.dequantize(q, self.scale, None, axis=axis)
@@ -559,7 +559,7 @@ class FakeQuantize(nn.Module):
             rnd = _floating.bf16_round_ste if fmt.kind == "BF16" else _floating.fp16_round_ste
             if unit:
                 return rnd(x)
-            # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (NUMERICS.md section 3)
+            # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (docs/numerics.md section 3)
             inv = torch.ones_like(self.scale) / self.scale if self.scale.dim() == 0 else None
             if inv is None:
                 raise UnsupportedFeatureError(f"quantizer on {self.tensor_name!r}: per-channel {fmt.name} scales")
@@ -592,7 +592,7 @@ class FakeQuantize(nn.Module):
         return (c - zp.to(cd)).to(torch.float32) * scale
 
     def _block_fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """BFP / BFP-prime / MX quantize-dequantize along ``self.axis`` (NUMERICS.md sections 4-8)."""
+        """BFP / BFP-prime / MX quantize-dequantize along ``self.axis`` (docs/numerics.md sections 4-8)."""
         from . import ops as _ops
 
         fmt = self.fmt

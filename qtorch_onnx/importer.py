@@ -3,7 +3,7 @@
 :func:`load_quantized` takes a model quantized by AMD Quark, by ONNX Runtime's quantization tool or by this
 project, and returns a :class:`~qtorch_onnx.quantizer.QuantizedModel` whose FakeQuantize modules hold the
 model's own formats, scales, zero points, axes and block attributes. It runs like the model (bit for bit per
-quantizer, NUMERICS.md), can be finetuned (weights are float parameters, straight-through gradients), and
+quantizer, docs/numerics.md), can be finetuned (weights are float parameters, straight-through gradients), and
 :func:`qtorch_onnx.export` writes it back with the same structure: the same quantizer op types, domains,
 attributes, parameters and weight storage, in the same places.
 

@@ -1,7 +1,7 @@
-"""Calibration observers (NUMERICS.md section 2): activation ranges and the quantization parameters from them.
+"""Calibration observers (docs/numerics.md section 2): activation ranges and the quantization parameters from them.
 
 Every observer runs its reductions on the device of the tensors it is fed, accepts batches of any size, and
-gives bit-identical results whatever the batching of the same data (NUMERICS.md section 2, last rule):
+gives bit-identical results whatever the batching of the same data (docs/numerics.md section 2, last rule):
 
 * exact reductions only (min / max), or integer histogram counts, or int64 fixed-point sums;
 * histogram observers use two passes: pass 1 records the exact global min / max, pass 2 (after
@@ -176,7 +176,7 @@ class Observer:
     def compute_qparams(self, fmt: IntFormat, symmetric: bool, reduce_range: bool = False
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(scale float32, zero_point int64)`` from :meth:`compute_range` via
-        :func:`qtorch_onnx.formats.integer.qparams_from_range` (NUMERICS.md section 1)."""
+        :func:`qtorch_onnx.formats.integer.qparams_from_range` (docs/numerics.md section 1)."""
         rmin, rmax = self.compute_range()
         return qint.qparams_from_range(rmin, rmax, fmt, symmetric, reduce_range)
 
@@ -358,7 +358,7 @@ def _padded_base(base: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tens
 
 # ------------------------------------------------------------------------------------------------------ MinMax
 class MinMaxObserver(Observer):
-    """Global min / max (NUMERICS.md section 2 "MinMax"; ONNX Runtime MinMaxCalibrater).
+    """Global min / max (docs/numerics.md section 2 "MinMax"; ONNX Runtime MinMaxCalibrater).
 
     Args:
         axis: None for per tensor; else per channel along ``axis`` (reduce over all other dims).
@@ -523,7 +523,7 @@ def _hist_counts(a: torch.Tensor, edges32: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------- Percentile
 class PercentileObserver(Observer):
-    """Percentile of |x| (NUMERICS.md section 2 "Percentile"; ONNX Runtime HistogramCollector, symmetric).
+    """Percentile of |x| (docs/numerics.md section 2 "Percentile"; ONNX Runtime HistogramCollector, symmetric).
 
     Pass 1: exact global min, max and ``A = max|x|``. Pass 2: histogram of |x| with ``num_bins`` equal bins
     on ``[0, A]`` (float32 edges as ``np.histogram`` makes them), integer counts; widened with more bins of
@@ -578,7 +578,7 @@ class PercentileObserver(Observer):
         a = x.to(torch.float32).abs()
         m = float(a.max())
         last = float(self._edges[-1])
-        if m > last:  # widen with bins of the same width (NUMERICS.md section 2)
+        if m > last:  # widen with bins of the same width (docs/numerics.md section 2)
             width = float(self._edges[1].double() - self._edges[0].double())
             extra = max(1, math.ceil((m - last) / width))
             new = (torch.arange(1, extra + 1, dtype=torch.float64) * width + last).to(torch.float32)
@@ -731,7 +731,7 @@ def entropy_threshold_index(hist: torch.Tensor, num_quantized_bins: int) -> Tupl
 
 
 class EntropyObserver(_SignedHistogramObserver):
-    """KL-divergence threshold (NUMERICS.md section 2 "Entropy"; ONNX Runtime ``HistogramCollector``
+    """KL-divergence threshold (docs/numerics.md section 2 "Entropy"; ONNX Runtime ``HistogramCollector``
     entropy method, TensorRT's calibration, MXNet's ``_get_optimal_threshold``).
 
     Two passes: pass 1 min / max; pass 2 histogram of x on ``[-T, T]`` (float32 ``T = max(|min|, |max|)``)
@@ -801,7 +801,7 @@ class DistributionObserver(_SignedHistogramObserver):
 
 # ------------------------------------------------------------------------------------------------ power of two
 class PowerOfTwoObserver(Observer):
-    """Power-of-two scales ``2^-pos`` (NUMERICS.md section 1; Quark's PowerOfTwoMethod).
+    """Power-of-two scales ``2^-pos`` (docs/numerics.md section 1; Quark's PowerOfTwoMethod).
 
     * ``"NonOverflow"``: one pass (exact min / max); :func:`~qtorch_onnx.formats.integer.pow2_scale_nonoverflow`.
     * ``"MinMSE"``: two passes. Pass 1 min / max gives the NonOverflow position ``p0``; pass 2 accumulates, for
@@ -921,7 +921,7 @@ OBSERVERS: Dict[str, Tuple[Type[Observer], dict]] = {
 
 
 def make_observer(method: str, **options) -> Observer:
-    """Build an observer by calibration method name (CONFIG.md ``calibrate_method``).
+    """Build an observer by calibration method name (docs/configuration.md ``calibrate_method``).
 
     Names: ``"MinMax"``, ``"Percentile"``, ``"Entropy"``, ``"Distribution"``, ``"NonOverflow"``, ``"MinMSE"``
     (case-insensitive; ``CalibrationMethod.X`` / ``PowerOfTwoMethod.X`` enum members are accepted through

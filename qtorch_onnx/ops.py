@@ -1,9 +1,9 @@
 """Public functional API of the block formats: differentiable BFP / BFP-prime / OCP MX quantize-dequantize.
 
-Each function mirrors one ONNX operator of Quark 0.13 (OPS.md: ``com.amd.quark::BFPQuantizeDequantize`` and
+Each function mirrors one ONNX operator of Quark 0.13 (docs/operators.md: ``com.amd.quark::BFPQuantizeDequantize`` and
 ``com.amd.quark::MXQuantizeDequantize``), with the same attribute names and defaults, and the numerics of
-NUMERICS.md sections 4-7 (bit-exact with Quark's operators). Gradients follow the straight-through
-estimator of NUMERICS.md section 8.
+docs/numerics.md sections 4-7 (bit-exact with Quark's operators). Gradients follow the straight-through
+estimator of docs/numerics.md section 8.
 
 Example::
 
@@ -103,7 +103,7 @@ def bfp_quantize_dequantize(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis
                             backend: str = "auto") -> torch.Tensor:
     """Block floating point fake quantization (BFP, or BFP-prime = MX4/MX6/MX9), differentiable.
 
-    Numerics: NUMERICS.md sections 4-6, bit-exact with Quark 0.13 ``BFPQuantizeDequantize`` (defaults are
+    Numerics: docs/numerics.md sections 4-6, bit-exact with Quark 0.13 ``BFPQuantizeDequantize`` (defaults are
     the operator's: BFP16 is ``bit_width=16, block_size=8, rounding_mode=2``; MX4/MX6/MX9 are
     ``bfp_method="to_bfp_prime", bit_width=11/13/16, block_size=16, rounding_mode=2``).
 
@@ -119,7 +119,7 @@ def bfp_quantize_dequantize(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis
         backend: ``"auto"`` (Triton on CUDA, else the torch reference), ``"reference"`` or ``"triton"``;
             every backend gives the same bits (see :func:`resolve_backend`).
     Returns:
-        Tensor of ``x``'s shape and dtype. Gradient (NUMERICS.md section 8): 1 where the value was
+        Tensor of ``x``'s shape and dtype. Gradient (docs/numerics.md section 8): 1 where the value was
         representable without saturation (NaN/Inf elements included), 0 where saturation clipped it.
     Raises:
         qtorch_onnx.errors.ConfigError: an invalid attribute, named with its valid values.
@@ -138,7 +138,7 @@ def mx_quantize_dequantize(x: torch.Tensor, *, element_dtype: str = "int8", axis
                            rounding_mode: int = 0, backend: str = "auto") -> torch.Tensor:
     """OCP microscaling fake quantization (MXINT8, MXFP8 E4M3/E5M2, MXFP6 E3M2/E2M3, MXFP4), differentiable.
 
-    Numerics: NUMERICS.md sections 4 and 7, bit-exact with Quark 0.13 ``MXQuantizeDequantize`` (shared
+    Numerics: docs/numerics.md sections 4 and 7, bit-exact with Quark 0.13 ``MXQuantizeDequantize`` (shared
     scale ``2^(floor(log2 amax) - emax)`` not clamped to E8M0; Inf/NaN pass through; elements saturate).
 
     Args:

@@ -22,7 +22,7 @@ Rules (ONNX Runtime's QDQ placement as extended by Quark; README "What gets quan
 * ``AlignConcat`` / ``AlignSlice``: the inputs of a Concat (the output of a Slice) share the output's
   (input's) scale after calibration (``share_with``).
 * ``AlignEltwiseQuantType``: initializer inputs of element-wise ops take the activation format.
-* Range adjustments after calibration (NUMERICS.md section 2): the input of a Relu/Clip with a single
+* Range adjustments after calibration (docs/numerics.md section 2): the input of a Relu/Clip with a single
   consumer takes the Relu/Clip output range (``range_from``); Softmax outputs take [0, 1].
 * Layer-wise mixed precision (``AutoMixprecision`` with ``TargetQuantType`` and no accuracy target): the
   in-scope nodes of ``TargetOpType`` (Conv, ConvTranspose, Gemm, MatMul by default) are *promoted*: their
@@ -490,7 +490,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
                                      narrow_range=cfg.weight_symmetric and isinstance(w_fmt, IntFormat))
             else:  # per channel exactly when the weight is (TensorQuantOverrides may change that)
                 specs[t] = dataclasses.replace(s, axis=0 if specs[w].axis is not None else None)
-    # block formats: the block axis follows the reduction axis (CONFIG.md)
+    # block formats: the block axis follows the reduction axis (docs/configuration.md)
     for t, s in list(specs.items()):
         if isinstance(s.fmt, (BFPFormat, MXFormat)):
             key = "BFPAttributes" if isinstance(s.fmt, BFPFormat) else "MXAttributes"
@@ -575,7 +575,7 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
 
 def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None, default: Optional[int] = None,
                key: str = "BFPAttributes") -> int:
-    """Block axis of a tensor for BFP/MX formats (CONFIG.md extra_options, block formats).
+    """Block axis of a tensor for BFP/MX formats (docs/configuration.md extra_options, block formats).
 
     MatMul A: last axis, B: second to last; Gemm A: 1 (0 when transA), B: 0 (1 when transB); Softmax:
     its axis (the reduction axis decides: a block must not straddle it); Conv and everything else:

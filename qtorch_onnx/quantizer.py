@@ -494,7 +494,7 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
 
 def finalize_qparams(qm: QuantizedModel, skip=()) -> None:
     """Compute activation qparams from observers, then apply range_from, fixed ranges, overrides, sharing and
-    INT32 bias scales (NUMERICS.md sections 1-2). Quantizers in ``skip`` (keys) keep their parameters."""
+    INT32 bias scales (docs/numerics.md sections 1-2). Quantizers in ``skip`` (keys) keep their parameters."""
     fqs = qm.quantizers()
     specs = qm.plan.specs
     skip = set(skip)

@@ -26,7 +26,7 @@ OPT_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT
 
 
 def get_library_path(device: str = "CPU") -> str:
-    """Path of the project's ONNX Runtime custom-operator library (OPS.md: ``com.amd.quark`` operators
+    """Path of the project's ONNX Runtime custom-operator library (docs/operators.md: ``com.amd.quark`` operators
     BFPQuantizeDequantize, MXQuantizeDequantize, ExtendedQuantizeLinear, ExtendedDequantizeLinear, and the
     ``com.vai.quantize`` aliases), built from its C++ sources on first use and cached
     (``$QTORCH_ONNX_CACHE/ort_ops/<hash>/``, default ``~/.cache/qtorch_onnx/ort_ops/<hash>/``; see
@@ -85,7 +85,7 @@ def _build_module():
     return module
 
 
-#: custom domains served by the operator library (OPS.md)
+#: custom domains served by the operator library (docs/operators.md)
 CUSTOM_DOMAINS = ("com.amd.quark", "com.vai.quantize")
 
 
@@ -216,7 +216,7 @@ def check_parity(qm, exported: onnx.ModelProto, qmap: Dict, samples: Sequence[Tu
     """Compare ONNX Runtime with the torch emulation.
 
     Per quantizer: the emulation's input to every quantizer is captured and fed to a model holding only the
-    exported quantizer nodes; the outputs must be bit-identical (NUMERICS.md, OPS.md). Weights and biases:
+    exported quantizer nodes; the outputs must be bit-identical (docs/numerics.md, docs/operators.md). Weights and biases:
     the exported initializer -> DequantizeLinear output against the emulation's fake-quantized value.
     Per model output: the fraction of bit-identical elements and the largest difference in steps of the
     output's quantizer, at each optimization level in ``opt_levels``.

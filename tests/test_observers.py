@@ -91,7 +91,7 @@ def test_percentile_clamps_to_observed_range():
     lo, hi = o.compute_range()
     counts, edges = o.histogram
     assert lo.item() == float(x.min())
-    # p = 100: the left edge of the top non-empty bin (NUMERICS.md: left edge of the first bin reaching p)
+    # p = 100: the left edge of the top non-empty bin (docs/numerics.md: left edge of the first bin reaching p)
     top = int(np.nonzero(counts.numpy())[0].max())
     assert hi.item() == float(edges[top]) < float(x.max())
 

@@ -1,4 +1,4 @@
-"""Triton kernels for BFP / BFP-prime quantize-dequantize (NUMERICS.md sections 4-6, 8).
+"""Triton kernels for BFP / BFP-prime quantize-dequantize (docs/numerics.md sections 4-6, 8).
 
 Bit-for-bit the torch reference :func:`qtorch_onnx.formats.bfp.bfp_reference` (forward value and
 straight-through mask). The block axis is handled in place, without a transposed copy: the tensor is seen
@@ -264,7 +264,7 @@ def bfp_quantize_dequantize_triton(x: torch.Tensor, *, bfp_method: str = "to_bfp
 
 
 def ste_backward_triton(grad_y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Straight-through backward (NUMERICS.md section 8): ``grad_x = grad_y`` where ``mask``, else 0.
+    """Straight-through backward (docs/numerics.md section 8): ``grad_x = grad_y`` where ``mask``, else 0.
 
     Args:
         grad_y: float tensor; mask: bool tensor of the same shape (from ``return_mask=True``).

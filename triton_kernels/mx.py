@@ -1,4 +1,4 @@
-"""Triton kernel for OCP MX quantize-dequantize (NUMERICS.md sections 4, 7, 8).
+"""Triton kernel for OCP MX quantize-dequantize (docs/numerics.md sections 4, 7, 8).
 
 Bit-for-bit :func:`qtorch_onnx.formats.mx.mx_reference` (value and straight-through mask), any block axis
 without a transposed copy (same ``(outer, n_axis, inner)`` tiling as :mod:`.bfp`). Divisions by the

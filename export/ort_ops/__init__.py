@@ -1,6 +1,6 @@
 """The project's C++ ONNX Runtime operator library (installed as ``qtorch_onnx.export.ort_ops``).
 
-Sources: ``CMakeLists.txt``, ``*.h``, ``*.cc`` (C++17 against ONNX Runtime's C/C++ API, OPS.md):
+Sources: ``CMakeLists.txt``, ``*.h``, ``*.cc`` (C++17 against ONNX Runtime's C/C++ API, docs/operators.md):
 ``numerics.h`` (the bit-level numerics), ``block_kernels.*`` (runs of blocks, per-ISA clones), ``kernels.h``
 (layout and threading), ``ort_ops.cc`` (the operators, attribute checks, registration). The library is
 built on first use into a cache folder by :mod:`qtorch_onnx.export.ort_ops.build`; register it with::

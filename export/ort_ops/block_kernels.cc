@@ -88,7 +88,7 @@ void mx_blocks(const float* in, float* out, int64_t n, int64_t count, const MXEl
   if (el.ebits != 0) mx_run_n<false, 2>(in, out, n, count, el);
   else if (mode == 2) mx_run_n<true, 2>(in, out, n, count, el);
   else if (mode == 1) mx_run_n<true, 1>(in, out, n, count, el);
-  else mx_run_n<true, 0>(in, out, n, count, el);  // 0 and every other value (NUMERICS.md section 7)
+  else mx_run_n<true, 0>(in, out, n, count, el);  // 0 and every other value (docs/numerics.md section 7)
 }
 
 }  // namespace qtorch_ort

@@ -6,7 +6,7 @@ covers the sources, the ONNX Runtime headers, the platform and the compiler. Two
 workers) may ask at the same time: a file lock serializes the build and the result appears with one atomic
 rename, so nobody ever loads a half-written library.
 
-ONNX Runtime's Python wheel ships no C/C++ headers (OPS.md "The library"). They are taken from the pinned
+ONNX Runtime's Python wheel ships no C/C++ headers (docs/operators.md "The library"). They are taken from the pinned
 ``amd-quark==0.13`` wheel (``pip download --no-deps``), whose SHA-256 is verified, and only
 ``quark/onnx/operators/custom_ops/include/onnxruntime-1.17.0/`` is extracted (Microsoft's MIT-licensed
 ONNX Runtime 1.17 headers; every file keeps its license notice). ``$QTORCH_ONNX_ORT_INCLUDE`` may point at

@@ -38,7 +38,7 @@ constexpr int64_t kTaskElements = 1 << 15;
 constexpr int64_t kTileElements = 1 << 13;
 
 // Clears flush-to-zero and denormals-are-zero for the lifetime of the object and restores the caller's
-// state afterwards: the numerics contract keeps float32 subnormals (NUMERICS.md sections 4-7), whatever
+// state afterwards: the numerics contract keeps float32 subnormals (docs/numerics.md sections 4-7), whatever
 // the session's "set_denormal_as_zero" option or another library set on the worker thread.
 class DenormalGuard {
  public:
@@ -70,13 +70,13 @@ class SerialRunner final : public TaskRunner {
 };
 
 // Element access: float32 is read as is, float16 (stored as uint16_t bits) is widened exactly and narrowed
-// back with round to nearest even (NUMERICS.md section 4: float16 is computed through float32).
+// back with round to nearest even (docs/numerics.md section 4: float16 is computed through float32).
 inline float load_elem(const float* p, int64_t i) { return p[i]; }
 inline float load_elem(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
 inline void store_elem(float* p, int64_t i, float v) { p[i] = v; }
 inline void store_elem(uint16_t* p, int64_t i, float v) { p[i] = float_to_half(v); }
 
-// Layout of a tensor seen as [outer, L, inner] around the block axis (NUMERICS.md section 4): a block is
+// Layout of a tensor seen as [outer, L, inner] around the block axis (docs/numerics.md section 4): a block is
 // block_size consecutive indices along L with the outer and inner indices fixed.
 struct BlockLayout {
   int64_t outer = 1;

@@ -2,11 +2,11 @@
 //
 // The third copy of the project's numerics (ARCHITECTURE.md "Rules of the house"): these functions
 // reproduce, bit for bit, the torch reference functions in qtorch_onnx/formats/ (block.py, bfp.py, mx.py,
-// floating.py, integer.py), written from /spec/NUMERICS.md. Every function works on float32 bit patterns
+// floating.py, integer.py), written from /spec/docs/numerics.md. Every function works on float32 bit patterns
 // with plain IEEE-754 float32 arithmetic (default round-to-nearest-even mode); the library is compiled
 // with -ffp-contract=off and without -ffast-math so that no operation is fused or reassociated.
 //
-// Notation (NUMERICS.md preamble): E(x) is the 8-bit biased exponent field of a float32 (bits 30..23);
+// Notation (docs/numerics.md preamble): E(x) is the 8-bit biased exponent field of a float32 (bits 30..23);
 // zero and subnormals have E = 0, Inf and NaN have E = 255.
 #pragma once
 
@@ -78,7 +78,7 @@ QTORCH_ORT_INLINE float floor_f(float v) {
   return small ? f : v;
 }
 
-// Block-format rounding to an integral float32 (NUMERICS.md preamble; formats/block.py round_with_mode):
+// Block-format rounding to an integral float32 (docs/numerics.md preamble; formats/block.py round_with_mode):
 //   MODE 0: half away from zero, 1: half toward +infinity, 2: half to even.
 // Modes 0 and 1 give a zero result the sign of v; mode 2 gives +0.0 when a nonzero v rounds to zero and
 // keeps the sign of a zero v. Callers replace the result for Inf/NaN inputs.
@@ -116,7 +116,7 @@ QTORCH_ORT_INLINE float bfloat16_round_quark(float x) {
   return float_of(r);
 }
 
-// float32 -> bfloat16 bits, round to nearest even on the bit pattern (NUMERICS.md section 3), overflow to
+// float32 -> bfloat16 bits, round to nearest even on the bit pattern (docs/numerics.md section 3), overflow to
 // +-Inf, subnormals rounded; NaN -> nan_bits (Quark's ExtendedQuantizeLinear writes 0x7FC1).
 QTORCH_ORT_INLINE uint16_t bfloat16_bits_rne(float x, uint16_t nan_bits) {
   const uint32_t u = bits_of(x);
@@ -162,12 +162,12 @@ QTORCH_ORT_INLINE uint16_t float_to_half(float f) {
 
 // ------------------------------------------------------------------------------------------------------
 // Block formats. Each function quantize-dequantizes ONE block of n contiguous float32 values (n <= the
-// block size: a partial last block behaves exactly like a zero-padded one, NUMERICS.md section 4). `in`
+// block size: a partial last block behaves exactly like a zero-padded one, docs/numerics.md section 4). `in`
 // is only read, `out` fully written. in == out is allowed (every element is read before it is written,
 // and the shared exponents are computed before any write); partially overlapping buffers are not.
 // ------------------------------------------------------------------------------------------------------
 
-// BFP, bfp_method "to_bfp" (NUMERICS.md section 5; formats/bfp.py _bfp_blocks), m = bit_width - 9
+// BFP, bfp_method "to_bfp" (docs/numerics.md section 5; formats/bfp.py _bfp_blocks), m = bit_width - 9
 // magnitude bits. With PRE every input value is first rounded with bfloat16_round_quark. N > 0 fixes the
 // block length at compile time (n is then ignored) so that the loops vectorize without remainders.
 template <int MODE, bool PRE, int N>
@@ -190,7 +190,7 @@ QTORCH_ORT_INLINE void bfp_block_t(const float* in, float* out, int64_t n_dyn, i
   }
 }
 
-// BFP-prime / microexponents, bfp_method "to_bfp_prime" (NUMERICS.md section 6, arXiv 2302.08007;
+// BFP-prime / microexponents, bfp_method "to_bfp_prime" (docs/numerics.md section 6, arXiv 2302.08007;
 // formats/bfp.py _bfp_prime_blocks). The block length is a multiple of sub_block_size except for a
 // partial last block (then the last sub-block is partial too); shift_bits in [1, 8]. Integer arithmetic on
 // the 24-bit significand in uint32 (t is clamped to 31: any t > 25 discards every bit, as t = 40 does).
@@ -257,7 +257,7 @@ QTORCH_ORT_INLINE void bfp_prime_block_t(const float* in, float* out, int64_t n_
   }
 }
 
-// One OCP MX element type (NUMERICS.md section 7 table; formats/mx.py MX_ELEMENTS).
+// One OCP MX element type (docs/numerics.md section 7 table; formats/mx.py MX_ELEMENTS).
 struct MXElement {
   int ebits;       // 0 for int8
   int mbits;
@@ -266,7 +266,7 @@ struct MXElement {
   float max_norm;
 };
 
-// OCP MX quantize-dequantize of one block (NUMERICS.md section 7; formats/mx.py _mx_blocks and
+// OCP MX quantize-dequantize of one block (docs/numerics.md section 7; formats/mx.py _mx_blocks and
 // quantize_mx_element). int8 elements (INT8 = true) use rounding MODE; FP elements round half to even and
 // saturate to max_norm; every zero FP result is +0.0.
 template <bool INT8, int MODE, int N>

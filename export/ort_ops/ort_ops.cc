@@ -1,6 +1,6 @@
 // qtorch-onnx ONNX Runtime operator library: the custom operators and their registration.
 //
-// Domain com.amd.quark, version 1 (/spec/OPS.md): BFPQuantizeDequantize, MXQuantizeDequantize,
+// Domain com.amd.quark, version 1 (docs/operators.md): BFPQuantizeDequantize, MXQuantizeDequantize,
 // ExtendedQuantizeLinear, ExtendedDequantizeLinear, with Quark 0.13's names, attributes and defaults.
 // Legacy alias domain com.vai.quantize: BFPFixNeuron, MXFixNeuron, VitisQuantizeLinear,
 // VitisDequantizeLinear (the same kernels).
@@ -83,7 +83,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return os.str();
 }
 
-// The zero-point element types of ExtendedQuantizeLinear / ExtendedDequantizeLinear (OPS.md).
+// The zero-point element types of ExtendedQuantizeLinear / ExtendedDequantizeLinear (docs/operators.md).
 bool IsQdqType(ONNXTensorElementDataType t) {
   switch (t) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
@@ -267,7 +267,7 @@ class OrtRunner final : public TaskRunner {
 std::string AttrValue(int64_t v) { return std::to_string(v); }
 std::string AttrValue(const std::string& v) { return "'" + v + "'"; }
 
-// Normalizes the block axis of a rank-`rank` tensor (NUMERICS.md section 4: rank <= 1 ignores it).
+// Normalizes the block axis of a rank-`rank` tensor (docs/numerics.md section 4: rank <= 1 ignores it).
 int64_t NormalizeBlockAxis(const InfoReader* reader, const std::string& label, int64_t axis, int64_t rank,
                            const char* what) {
   if (rank <= 1) return 0;
@@ -347,7 +347,7 @@ class BlockKernel : public KernelBase {
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
     if (numel == 0) return;
-    if (numel == 1) {  // NUMERICS.md section 4: a one-element tensor is returned unchanged
+    if (numel == 1) {  // docs/numerics.md section 4: a one-element tensor is returned unchanged
       if (type == kFloat) {
         out.GetTensorMutableData<float>()[0] = OneElement(in.GetTensorData<float>()[0]);
       } else {
@@ -386,7 +386,7 @@ class BlockKernel : public KernelBase {
   std::string input_name_;
 };
 
-// BFPQuantizeDequantize / BFPFixNeuron (NUMERICS.md sections 4-6; formats/bfp.py).
+// BFPQuantizeDequantize / BFPFixNeuron (docs/numerics.md sections 4-6; formats/bfp.py).
 class BfpKernel final : public BlockKernel {
  public:
   static BfpKernel* Create(const OrtApi& api, const InfoReader& r) {
@@ -459,7 +459,7 @@ class BfpKernel final : public BlockKernel {
   bool to_bf16_;
 };
 
-// MXQuantizeDequantize / MXFixNeuron (NUMERICS.md sections 4 and 7; formats/mx.py).
+// MXQuantizeDequantize / MXFixNeuron (docs/numerics.md sections 4 and 7; formats/mx.py).
 class MxKernel final : public BlockKernel {
  public:
   static MxKernel* Create(const OrtApi& api, const InfoReader& r) {
@@ -507,7 +507,7 @@ class MxKernel final : public BlockKernel {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// ExtendedQuantizeLinear / ExtendedDequantizeLinear (NUMERICS.md sections 1 and 3; formats/integer.py,
+// ExtendedQuantizeLinear / ExtendedDequantizeLinear (docs/numerics.md sections 1 and 3; formats/integer.py,
 // formats/floating.py).
 // ---------------------------------------------------------------------------------------------------
 // Integer quantize: q = saturate(round_half_even(x / scale) + zero_point), x / scale a float32 division.

@@ -1,4 +1,4 @@
-"""The Quark-compatible configuration vocabulary (CONFIG.md), validated and never mutated.
+"""The Quark-compatible configuration vocabulary (docs/configuration.md), validated and never mutated.
 
 ``QuantizationConfig`` / ``Config`` / ``get_default_config`` accept AMD Quark for ONNX's names;
 ``resolve_config`` turns them into the one typed :class:`ResolvedConfig` the library works from.

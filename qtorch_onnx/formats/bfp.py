@@ -1,7 +1,7 @@
 """Block floating point reference functions: BFP (``to_bfp``) and BFP-prime / microexponents (``to_bfp_prime``).
 
 Bit-exact torch references of Quark 0.13's ``BFPQuantizeDequantize`` operator, written from
-``NUMERICS.md`` sections 4 (layout), 5 (BFP) and 6 (BFP-prime: MX4/MX6/MX9, arXiv 2302.08007). Pure torch,
+``docs/numerics.md`` sections 4 (layout), 5 (BFP) and 6 (BFP-prime: MX4/MX6/MX9, arXiv 2302.08007). Pure torch,
 any device, fully vectorized (no Python loop over blocks). Imports torch only.
 
 Public:
@@ -39,7 +39,7 @@ def _check_int(name: str, value, lo: int, hi: Optional[int] = None) -> int:
 def validate_bfp_attributes(bfp_method: str = "to_bfp", bit_width: int = 16, block_size: int = 8,
                             rounding_mode: int = 0, sub_block_size: int = 2, sub_block_shift_bits: int = 1,
                             convert_to_bfloat_before_bfp: int = 0) -> BFPFormat:
-    """Check the attributes of a BFP / BFP-prime quantizer (NUMERICS.md section 4, OPS.md) at build time.
+    """Check the attributes of a BFP / BFP-prime quantizer (docs/numerics.md section 4, docs/operators.md) at build time.
 
     Defaults mirror the ``BFPQuantizeDequantize`` operator. ``axis`` is checked at call time (it needs the
     rank): see :func:`qtorch_onnx.formats.block.normalize_axis`.
@@ -77,7 +77,7 @@ def validate_bfp_attributes(bfp_method: str = "to_bfp", bit_width: int = 16, blo
 
 
 def _bfp_blocks(xb: torch.Tensor, m: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NUMERICS.md section 5 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-clipped mask)."""
+    """docs/numerics.md section 5 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-clipped mask)."""
     e = exponent_field(xb)
     special = e == 255
     shared = torch.where(special, torch.zeros_like(e), e).amax(dim=-1, keepdim=True)
@@ -92,7 +92,7 @@ def _bfp_blocks(xb: torch.Tensor, m: int, mode: int) -> tuple[torch.Tensor, torc
 
 def _bfp_prime_blocks(xb: torch.Tensor, m: int, mode: int, sub_block_size: int,
                       shift_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NUMERICS.md section 6 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-saturated mask)."""
+    """docs/numerics.md section 6 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-saturated mask)."""
     bits = xb.view(torch.int32)
     e = exponent_field(xb)
     shared = e.amax(dim=-1, keepdim=True)  # Inf/NaN included (E = 255)
@@ -134,7 +134,7 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
                   return_mask: bool = False, validate: bool = True):
     """BFP / BFP-prime quantize-dequantize, bit-exact with Quark 0.13 ``BFPQuantizeDequantize``.
 
-    Formulas: NUMERICS.md sections 4 (layout, one-element rule, float16), 5 (``to_bfp``: shared exponent
+    Formulas: docs/numerics.md sections 4 (layout, one-element rule, float16), 5 (``to_bfp``: shared exponent
     = max E over finite elements, step ``2^(S-127-(m-1))``, clamp to ``(2^m-1)*step``, Inf/NaN pass
     through) and 6 (``to_bfp_prime``: sub-block micro-exponent shifts, integer rounding of the 24-bit
     significand, subnormals flush to signed zero, any Inf/NaN makes the whole block 0x7FFFFFFF NaN).
@@ -146,8 +146,8 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
         bfp_method: ``"to_bfp"``, ``"to_bfp_prime"`` or its alias ``"to_bfp_prime_shared"``.
         axis: block axis, negative allowed; ignored for rank <= 1.
         bit_width, block_size, rounding_mode, sub_block_size, sub_block_shift_bits,
-        convert_to_bfloat_before_bfp: as the ONNX operator (OPS.md); see :func:`validate_bfp_attributes`.
-        return_mask: also return the straight-through mask (NUMERICS.md section 8).
+        convert_to_bfloat_before_bfp: as the ONNX operator (docs/operators.md); see :func:`validate_bfp_attributes`.
+        return_mask: also return the straight-through mask (docs/numerics.md section 8).
         validate: check the attributes (skip only when already validated).
     Returns:
         ``y`` with ``x``'s shape and dtype (float16 results rounded to nearest even from float32), or
@@ -168,7 +168,7 @@ def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1,
     ax = normalize_axis(axis, x.dim())
     if convert_to_bfloat_before_bfp:  # before the one-element rule (Quark golden: [1.0039062] -> [1.0])
         xf = bfloat16_round(xf)
-    if x.numel() <= 1:  # NUMERICS.md section 4: a one-element tensor is returned unchanged
+    if x.numel() <= 1:  # docs/numerics.md section 4: a one-element tensor is returned unchanged
         y = xf.to(dtype) if convert_to_bfloat_before_bfp else x.clone()
         return (y, torch.ones_like(x, dtype=torch.bool)) if return_mask else y
     xf = xf.contiguous()

@@ -1,6 +1,6 @@
 """Shared helpers of the block formats (BFP, BFP-prime, OCP MX): block layout and float32 bit tricks.
 
-Everything here follows ``NUMERICS.md`` section 4 (block layout) and the notation of its preamble:
+Everything here follows ``docs/numerics.md`` section 4 (block layout) and the notation of its preamble:
 ``E(x)`` is the 8-bit biased exponent field (bits 30..23) of a float32. Pure torch, any device, no Python
 loop over blocks. This module imports torch only (rule of the house for ``formats/``).
 """
@@ -26,7 +26,7 @@ _ROUNDING_NAMES = {0: "half away from zero", 1: "half toward +infinity", 2: "hal
 
 
 def exponent_field(x: torch.Tensor) -> torch.Tensor:
-    """Biased exponent field ``E(x)`` of a float32 tensor (NUMERICS.md notation).
+    """Biased exponent field ``E(x)`` of a float32 tensor (docs/numerics.md notation).
 
     Args:
         x: float32 tensor, any shape.
@@ -55,7 +55,7 @@ def exp2_int(k: torch.Tensor) -> torch.Tensor:
 
 
 def round_with_mode(v: torch.Tensor, mode: int) -> torch.Tensor:
-    """Round a float32 tensor to integers with a block-format rounding mode (NUMERICS.md preamble).
+    """Round a float32 tensor to integers with a block-format rounding mode (docs/numerics.md preamble).
 
     Modes: 0 half away from zero, 1 half toward +infinity, 2 half to even. Modes 0 and 1 keep the sign
     of the input on a zero result (-0.3 -> -0.0); mode 2 gives +0.0 when a nonzero ``v`` rounds to zero,
@@ -86,7 +86,7 @@ def bfloat16_round(x: torch.Tensor) -> torch.Tensor:
 
     Pure bit arithmetic, ``bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16`` modulo 2^32, with NO
     special case for NaN (round to nearest even for every finite value, overflow to +-Inf). This is what
-    Quark 0.13's golden vectors record and it differs from NUMERICS.md section 3 on NaN inputs: a NaN whose
+    Quark 0.13's golden vectors record and it differs from docs/numerics.md section 3 on NaN inputs: a NaN whose
     payload sits in the low 16 bits can become +-Inf (0x7F800001 -> 0x7F800000), other NaNs keep a
     rounded payload (0x7F80FFFF -> 0x7F810000), 0xFFFF8000.. wraps to +0.0. Never modifies ``x``.
 
@@ -103,7 +103,7 @@ def bfloat16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_axis(axis: int, rank: int, attribute: str = "axis") -> int:
-    """Map a possibly negative ``axis`` to ``0..rank-1`` (rank 1 ignores it, NUMERICS.md section 4).
+    """Map a possibly negative ``axis`` to ``0..rank-1`` (rank 1 ignores it, docs/numerics.md section 4).
 
     Raises:
         ConfigError: ``axis`` outside ``[-rank, rank-1]`` for a tensor of rank >= 2.
@@ -117,7 +117,7 @@ def normalize_axis(axis: int, rank: int, attribute: str = "axis") -> int:
 
 
 def to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """Lay a tensor out as blocks along ``axis`` (NUMERICS.md section 4).
+    """Lay a tensor out as blocks along ``axis`` (docs/numerics.md section 4).
 
     The block axis is moved to the end and zero-padded to a multiple of ``block_size`` (zeros have
     ``E = 0``, so a partial block behaves as a smaller block).
@@ -149,7 +149,7 @@ def to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor
 
 
 def as_float32(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype]:
-    """Check the input dtype of a block operator and widen float16 / bfloat16 to float32 (NUMERICS.md
+    """Check the input dtype of a block operator and widen float16 / bfloat16 to float32 (docs/numerics.md
     section 4: a float16 input is computed in float32 and the result rounded back to float16).
 
     bfloat16 is accepted for torch-side use (training in bf16) with the same rule; the ONNX operators

@@ -1,4 +1,4 @@
-"""BF16 and FP16 reference functions (NUMERICS.md section 3).
+"""BF16 and FP16 reference functions (docs/numerics.md section 3).
 
 Pure torch, vectorized, any device. Inputs of any float dtype are converted to float32 first; outputs are
 float32 tensors holding exactly representable BF16 / FP16 values (the "fake" form), except for the storage
@@ -80,7 +80,7 @@ def _bits_to_f32(b: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to BF16, returned as float32 (NUMERICS.md section 3; ONNX Runtime Cast, bit exact).
+    """Round float32 values to BF16, returned as float32 (docs/numerics.md section 3; ONNX Runtime Cast, bit exact).
 
     Round to nearest even on the float32 bit pattern; overflow rounds to +-Inf; subnormals are kept
     (rounded, not flushed); NaN -> quiet NaN with the input's sign (0x7FC00000 / 0xFFC00000).
@@ -100,7 +100,7 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp16_round(x: torch.Tensor) -> torch.Tensor:
-    """Clip to +-65504 then round to FP16 (IEEE RNE), returned as float32 (NUMERICS.md section 3).
+    """Clip to +-65504 then round to FP16 (IEEE RNE), returned as float32 (docs/numerics.md section 3).
 
     Float16 subnormals are produced as IEEE specifies (gradual underflow). NaN stays NaN (payload: torch's
     conversion keeps the top mantissa bits; only NaN-ness is contractual). +-Inf clip to +-65504.
@@ -202,7 +202,7 @@ def bf16_dequantize(q: torch.Tensor, scale: TensorLike = 1.0, zero_point: Option
 
 def scaled_bf16(x: torch.Tensor, scale: TensorLike = 1.0, form: str = "qdq", axis: Optional[int] = None,
                 inv_scale: Optional[TensorLike] = None) -> torch.Tensor:
-    """Scaled BF16 fake quantization (NUMERICS.md section 3), float32 in, float32 out.
+    """Scaled BF16 fake quantization (docs/numerics.md section 3), float32 in, float32 out.
 
     * ``form="qdq"`` (Quark ExtendedQuantizeLinear/ExtendedDequantizeLinear, zero point +0.0):
       ``y = float(bf16(x / scale + 0.0)) * scale``, NaN -> 0x7FC00000. With scale 1.0 this is :func:`bf16_round`
@@ -248,13 +248,13 @@ class _PassThrough(torch.autograd.Function):
 
 def straight_through(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Return ``y`` exactly (same bits, unlike ``x + (y - x).detach()``, which rounds) with the straight-through
-    gradient ``dL/dx = dL/dy`` where ``mask`` (bool, ``x``'s shape) and 0 elsewhere (NUMERICS.md section 8)."""
+    gradient ``dL/dx = dL/dy`` where ``mask`` (bool, ``x``'s shape) and 0 elsewhere (docs/numerics.md section 8)."""
     return _PassThrough.apply(x, y, mask)
 
 
 def bf16_round_ste(x: torch.Tensor) -> torch.Tensor:
     """:func:`bf16_round` with a straight-through gradient of 1 everywhere (BF16 never saturates: overflow is
-    Inf; NUMERICS.md section 8)."""
+    Inf; docs/numerics.md section 8)."""
     with torch.no_grad():
         y = bf16_round(x)
         mask = torch.ones_like(y, dtype=torch.bool)

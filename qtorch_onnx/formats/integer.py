@@ -1,7 +1,7 @@
-"""Integer quantize / dequantize reference functions (NUMERICS.md section 1).
+"""Integer quantize / dequantize reference functions (docs/numerics.md section 1).
 
 Pure torch, vectorized, on whatever device the input lives on. These functions are the bit-level reference
-that the Triton kernels and the C++ operators must reproduce; every choice below is taken from NUMERICS.md
+that the Triton kernels and the C++ operators must reproduce; every choice below is taken from docs/numerics.md
 section 1 and from the golden vectors in ``tests/data/golden`` (ONNX Runtime's QuantizeLinear /
 DequantizeLinear and Quark's ExtendedQuantizeLinear / ExtendedDequantizeLinear).
 
@@ -51,7 +51,7 @@ def quant_range(fmt: IntFormat, narrow_range: bool = False) -> Tuple[int, int]:
     """Integer range ``(qmin, qmax)`` used for saturation.
 
     ``narrow_range=True`` raises ``qmin`` by one: the symmetric range of signed types (INT8 -> [-127, 127],
-    weights quantized offline, NUMERICS.md section 1 "INT8 weights never take -128"); for unsigned types the
+    weights quantized offline, docs/numerics.md section 1 "INT8 weights never take -128"); for unsigned types the
     range becomes ``[1, qmax]`` (the symmetric range around the UINT zero point ``2^(bits-1)``).
     """
     if not isinstance(fmt, IntFormat):
@@ -151,7 +151,7 @@ def _quantize_core(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor, fmt: IntF
 def quantize(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike], fmt: IntFormat,
              axis: Optional[int] = None, block_size: Optional[int] = None, *, narrow_range: bool = False,
              ort_blocked_compat: bool = False, rounding=None) -> torch.Tensor:
-    """Quantize: ``q = saturate(round_half_even(x / scale) + zero_point)`` (NUMERICS.md section 1).
+    """Quantize: ``q = saturate(round_half_even(x / scale) + zero_point)`` (docs/numerics.md section 1).
 
     Args:
         x: float tensor, any shape (float16/bfloat16 are converted to float32 first); not modified.
@@ -183,7 +183,7 @@ def quantize(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike
 
 def dequantize(q: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike] = None,
                axis: Optional[int] = None, block_size: Optional[int] = None) -> torch.Tensor:
-    """Dequantize: ``y = float32(q - zero_point) * scale`` (NUMERICS.md section 1).
+    """Dequantize: ``y = float32(q - zero_point) * scale`` (docs/numerics.md section 1).
 
     ``q - zero_point`` is computed exactly in int64, converted to float32 (round to nearest even, which only
     matters for 32-bit types) and multiplied by the float32 scale.
@@ -224,7 +224,7 @@ def _fake_quantize_fused(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor, fmt
     Bit-identical to ``(_quantize_core(...)[0] - zp) * s`` (tested against it): the same float32 operations in
     the same order (``x / s``, round half to even, ``+ float32(zp)``, clamp, NaN -> qmin, ``- float32(zp)``,
     ``* s``); only the buffers differ. The mask ``c == t`` is computed as ``clamp(t) == t`` (False for NaN and
-    +-Inf ``t``, as there ``c != t``), then NaN/Inf inputs pass (NUMERICS.md section 8).
+    +-Inf ``t``, as there ``c != t``), then NaN/Inf inputs pass (docs/numerics.md section 8).
     """
     qmin, qmax = quant_range(fmt, narrow_range)
     xf = x.to(torch.float32)
@@ -251,7 +251,7 @@ def _fake_quantize_with_mask(x, scale, zero_point, fmt, axis, block_size, narrow
         return _fake_quantize_fused(x, s, zp, fmt, narrow_range, need_mask)
     c, t = _quantize_core(x, s, zp, fmt, narrow_range, quirk)
     y = (c - zp.to(c.dtype)).to(torch.float32) * s
-    # gradient mask (NUMERICS.md section 8): 1 where not saturated, NaN/Inf inputs pass 1.
+    # gradient mask (docs/numerics.md section 8): 1 where not saturated, NaN/Inf inputs pass 1.
     xf = x.to(torch.float32)
     mask = (c == t) | ~torch.isfinite(xf)
     return y, mask
@@ -276,7 +276,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
 def fake_quantize_ste(x: torch.Tensor, scale: TensorLike, zero_point: Optional[TensorLike], fmt: IntFormat,
                       axis: Optional[int] = None, block_size: Optional[int] = None, *,
                       narrow_range: bool = False) -> torch.Tensor:
-    """:func:`fake_quantize` with the straight-through estimator (NUMERICS.md section 8).
+    """:func:`fake_quantize` with the straight-through estimator (docs/numerics.md section 8).
 
     Forward equals :func:`fake_quantize` bit for bit. Backward: ``dx = dy`` where ``round(x/s) + zp`` lies
     inside the (narrow) range, 0 where it was saturated; NaN and +-Inf inputs pass the gradient (1).
@@ -404,7 +404,7 @@ def _range_qmin_qmax(fmt: IntFormat, symmetric: bool, reduce_range: bool) -> Tup
 
 def qparams_from_range(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, symmetric: bool,
                        reduce_range: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point from a calibrated range (NUMERICS.md section 1; ONNX Runtime ``compute_scale_zp``).
+    """Scale and zero point from a calibrated range (docs/numerics.md section 1; ONNX Runtime ``compute_scale_zp``).
 
     Elementwise, so per-channel ranges (1-D) give per-channel parameters. All math in float64:
 
@@ -449,7 +449,7 @@ def qparams_from_range(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, symme
 
 def pow2_scale_nonoverflow(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, symmetric: bool = True,
                            narrow_range: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Power-of-two scale ``2^-pos`` that does not clip ``[rmin, rmax]`` (NUMERICS.md section 1, NonOverflow).
+    """Power-of-two scale ``2^-pos`` that does not clip ``[rmin, rmax]`` (docs/numerics.md section 1, NonOverflow).
 
     ``pos`` is the largest integer such that quantizing ``rmin`` and ``rmax`` with scale ``2^-pos`` and the zero
     point below does not saturate (round half to even included: a value landing on ``qmax + 0.5`` with odd
@@ -459,7 +459,7 @@ def pow2_scale_nonoverflow(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, s
     * symmetric: zero point 0 for signed types, ``2^(bits-1)`` for unsigned ones;
     * asymmetric: ``pos`` such that ``(rmax - rmin) / 2^-pos <= qmax - qmin``, zero point
       ``clamp(round_half_even(qmin - rmin / scale), qmin, qmax)``, then ``pos`` decreased while clipping remains.
-    * an all-zero range gives scale 1.0 (pos 0), zero point as above (NUMERICS.md: scales below the smallest
+    * an all-zero range gives scale 1.0 (pos 0), zero point as above (docs/numerics.md: scales below the smallest
       normal float32 become 1.0). ``pos`` is limited to [-127, 126] so the scale is a normal float32.
 
     Elementwise over per-channel ranges. Returns ``(scale float32, zero_point int64, pos int64)``.
@@ -512,7 +512,7 @@ def pow2_scale_nonoverflow(rmin: TensorLike, rmax: TensorLike, fmt: IntFormat, s
 # bias
 # ----------------------------------------------------------------------------------------------------------
 def bias_scale(scale_x: TensorLike, scale_w: TensorLike) -> torch.Tensor:
-    """Bias scale ``float32(scale_x * scale_w)`` (NUMERICS.md section 1; per channel when ``scale_w`` is 1-D).
+    """Bias scale ``float32(scale_x * scale_w)`` (docs/numerics.md section 1; per channel when ``scale_w`` is 1-D).
 
     The float64 product of two float32 values is exact, so this equals the float32 product.
     """

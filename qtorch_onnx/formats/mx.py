@@ -1,6 +1,6 @@
 """OCP Microscaling (MX) reference function, bit-exact with Quark 0.13's ``MXQuantizeDequantize``.
 
-Written from ``NUMERICS.md`` sections 4 (layout) and 7 (OCP MX v1.0 shared scale
+Written from ``docs/numerics.md`` sections 4 (layout) and 7 (OCP MX v1.0 shared scale
 ``X = 2^(floor(log2 amax) - emax)``, element quantization to int8 / fp8_e4m3 / fp8_e5m2 / fp6_e3m2 /
 fp6_e2m3 / fp4_e2m1 with saturation to max_norm). Pure torch, any device, fully vectorized. Imports torch
 only.
@@ -26,7 +26,7 @@ __all__ = ["MXElement", "MX_ELEMENTS", "validate_mx_attributes", "mx_reference",
 
 @dataclass(frozen=True)
 class MXElement:
-    """One MX element type (NUMERICS.md section 7 table; OCP MX v1.0 section 5.3).
+    """One MX element type (docs/numerics.md section 7 table; OCP MX v1.0 section 5.3).
 
     Attributes:
         name: the ``element_dtype`` attribute value.
@@ -59,10 +59,10 @@ MX_ELEMENTS: dict[str, MXElement] = {
 
 
 def validate_mx_attributes(element_dtype: str = "int8", block_size: int = 32, rounding_mode: int = 0) -> MXFormat:
-    """Check the attributes of an MX quantizer (NUMERICS.md sections 4 and 7, OPS.md) at build time.
+    """Check the attributes of an MX quantizer (docs/numerics.md sections 4 and 7, docs/operators.md) at build time.
 
     Defaults mirror the ``MXQuantizeDequantize`` operator. ``rounding_mode`` only matters for int8
-    elements; like Quark, any integer is accepted and values other than 0/1/2 behave as 0 (NUMERICS.md
+    elements; like Quark, any integer is accepted and values other than 0/1/2 behave as 0 (docs/numerics.md
     section 7). ``axis`` is checked at call time (it needs the rank).
 
     Returns:
@@ -84,7 +84,7 @@ def validate_mx_attributes(element_dtype: str = "int8", block_size: int = 32, ro
 
 
 def quantize_mx_element(v: torch.Tensor, elem: MXElement, rounding_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize scaled values ``v = x / X`` to an MX element grid (NUMERICS.md section 7), in float32.
+    """Quantize scaled values ``v = x / X`` to an MX element grid (docs/numerics.md section 7), in float32.
 
     FP elements: ``e = floor(log2|v|)``, ``step = 2^(max(e, 1 - bias) - mbits)``,
     ``q = round_half_even(v / step) * step`` (element subnormals kept), ``|q|`` clamped to ``max_norm``
@@ -113,7 +113,7 @@ def quantize_mx_element(v: torch.Tensor, elem: MXElement, rounding_mode: int = 0
 
 
 def _mx_blocks(xb: torch.Tensor, elem: MXElement, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """NUMERICS.md section 7 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-clipped mask)."""
+    """docs/numerics.md section 7 on ``xb`` float32 ``(..., n_blocks, block_size)``; returns (y, not-clipped mask)."""
     e = exponent_field(xb)
     special = e == 255
     shared = torch.where(special, torch.zeros_like(e), e).amax(dim=-1, keepdim=True)
@@ -128,7 +128,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
                  rounding_mode: int = 0, return_mask: bool = False, validate: bool = True):
     """OCP MX quantize-dequantize, bit-exact with Quark 0.13 ``MXQuantizeDequantize``.
 
-    Formulas: NUMERICS.md section 4 (layout, one-element rule, float16 via float32) and 7: per block
+    Formulas: docs/numerics.md section 4 (layout, one-element rule, float16 via float32) and 7: per block
     ``S = max E(x_i)`` over finite elements, ``X = 2^(S - 127 - emax)`` (float32, not clamped to E8M0),
     ``y = X * q(x / X)`` with float32 division and product; Inf/NaN elements pass through unchanged.
 
@@ -139,7 +139,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
         axis: block axis, negative allowed; ignored for rank <= 1.
         block_size: elements per block.
         rounding_mode: int8 elements only.
-        return_mask: also return the straight-through mask (NUMERICS.md section 8).
+        return_mask: also return the straight-through mask (docs/numerics.md section 8).
         validate: check the attributes (skip only when already validated).
     Returns:
         ``y`` with ``x``'s shape and dtype, or ``(y, mask)`` with ``mask`` (bool, ``x``'s shape) False where
@@ -153,7 +153,7 @@ def mx_reference(x: torch.Tensor, *, element_dtype: str = "int8", axis: int = 1,
     x = x.detach() if isinstance(x, torch.Tensor) else x  # a reference, not differentiable: see qtorch_onnx.ops
     xf, dtype = as_float32(x, "MXQuantizeDequantize")
     ax = normalize_axis(axis, x.dim())
-    if x.numel() <= 1:  # NUMERICS.md section 4: a one-element tensor is returned unchanged
+    if x.numel() <= 1:  # docs/numerics.md section 4: a one-element tensor is returned unchanged
         y = x.clone()
         return (y, torch.ones_like(x, dtype=torch.bool)) if return_mask else y
     elem = MX_ELEMENTS[element_dtype]

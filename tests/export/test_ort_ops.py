@@ -1,4 +1,4 @@
-"""The C++ ONNX Runtime operator library (export/ort_ops, OPS.md) through ONNX Runtime.
+"""The C++ ONNX Runtime operator library (export/ort_ops, docs/operators.md) through ONNX Runtime.
 
 * every golden case of Quark 0.13's operators (bfp, bfp_prime, mx, extended_qdq), bit for bit, all cases of
   a file batched into one model (one node per case, named by the case id);
@@ -536,7 +536,7 @@ def test_block_op_rejects_integer_input(lib):
 
 
 def test_default_attributes_and_axis_ignored_for_rank1(lib):
-    """No attributes set -> OPS.md defaults; on a rank-1 tensor any axis is accepted and ignored."""
+    """No attributes set -> docs/operators.md defaults; on a rank-1 tensor any axis is accepted and ignored."""
     rng = np.random.default_rng(11)
     x2 = rand_tensor(rng, (5, 70), specials=False)
     x1 = rand_tensor(rng, (70,), specials=False)

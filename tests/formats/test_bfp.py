@@ -1,4 +1,4 @@
-"""BFP / BFP-prime references against a slow scalar oracle written from NUMERICS.md sections 4-6.
+"""BFP / BFP-prime references against a slow scalar oracle written from docs/numerics.md sections 4-6.
 
 The oracle works element by element in exact rational arithmetic (``fractions.Fraction``) and Python
 integers, on float32 values decoded with ``struct`` -- no torch, no shared code with the implementation.
@@ -39,7 +39,7 @@ def to_f32(q: Fraction, negative: bool) -> float:
 
 
 def round_mode(v: Fraction, mode: int) -> int:
-    """NUMERICS.md preamble: 0 half away from zero, 1 half toward +inf, 2 half to even."""
+    """docs/numerics.md preamble: 0 half away from zero, 1 half toward +inf, 2 half to even."""
     if mode == 2:
         return round(v)  # Fraction.__round__ rounds half to even
     if mode == 1:
@@ -52,7 +52,7 @@ def round_mode(v: Fraction, mode: int) -> int:
 
 
 def oracle_bfp_block(block, m, mode):
-    """NUMERICS.md section 5 on one block (list of float32 values as Python floats)."""
+    """docs/numerics.md section 5 on one block (list of float32 values as Python floats)."""
     finite = [v for v in block if math.isfinite(v)]
     S = max([E(v) for v in finite], default=0)
     s = Fraction(2) ** (S - 127 - (m - 1))
@@ -77,7 +77,7 @@ def oracle_bfp_block(block, m, mode):
 
 
 def oracle_prime_block(block, m, mode, sub, d):
-    """NUMERICS.md section 6 on one block."""
+    """docs/numerics.md section 6 on one block."""
     es = [E(v) for v in block]
     S = max(es)
     if S == 255:
@@ -206,7 +206,7 @@ def test_bfp_prime_matches_oracle(x, bit_width, sub_cfg, mode, axis, method):
 @given(x=block_tensors(max_rank=2, allow_special=False), method=st.sampled_from(["to_bfp", "to_bfp_prime"]),
        mode=st.sampled_from([0, 1, 2]))
 def test_float16_goes_through_float32(x, method, mode):
-    """NUMERICS.md section 4: float16 -> float32 -> process -> float16 with round to nearest even."""
+    """docs/numerics.md section 4: float16 -> float32 -> process -> float16 with round to nearest even."""
     x16 = np.clip(x, -65504, 65504).astype(np.float16)
     want = oracle(x16.astype(np.float32), method, -1, 13, 16, mode, 2, 1).astype(np.float16)
     got = bfp_reference(torch.from_numpy(x16.copy()), bfp_method=method, axis=-1, bit_width=13, block_size=16,

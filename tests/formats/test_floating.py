@@ -1,5 +1,5 @@
 """BF16 / FP16 reference functions (qtorch_onnx.formats.floating): golden vectors, ONNX Runtime Cast models on
-random bit patterns, and a scalar oracle written from NUMERICS.md section 3. Bit-exact (uint32 views) except
+random bit patterns, and a scalar oracle written from docs/numerics.md section 3. Bit-exact (uint32 views) except
 float16 NaN payloads (golden README item 4)."""
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _run(sess, x: np.ndarray) -> np.ndarray:
 
 
 def bf16_oracle_bits(u: int) -> int:
-    """Scalar oracle (NUMERICS.md 3 + ONNX Runtime's observed NaN rule) on a float32 bit pattern."""
+    """Scalar oracle (docs/numerics.md 3 + ONNX Runtime's observed NaN rule) on a float32 bit pattern."""
     if (u & 0x7FFFFFFF) > 0x7F800000:
         return ((u & 0x80000000) | 0x7FC00000)
     lower = u & 0xFFFF
@@ -207,7 +207,7 @@ def test_qdq_form_equals_quark_pair_and_differs_from_cast_form():
     exp = F.bf16_round(x / s) * s
     assert torch.equal(qdq.view(torch.int32), exp.view(torch.int32))
     cast = F.scaled_bf16(x, s, form="cast")
-    assert not torch.equal(qdq.view(torch.int32), cast.view(torch.int32))  # NUMERICS.md 3: last-bit differences
+    assert not torch.equal(qdq.view(torch.int32), cast.view(torch.int32))  # docs/numerics.md 3: last-bit differences
     # with a power-of-two scale the two forms agree
     s2 = torch.tensor(0.25)
     assert torch.equal(F.scaled_bf16(x, s2, form="qdq").view(torch.int32),

@@ -1,5 +1,5 @@
 """Integer Q/DQ reference functions (qtorch_onnx.formats.integer) against the golden vectors and a scalar
-oracle written from NUMERICS.md section 1. Bit-exact: integer equality, float32 compared as uint32."""
+oracle written from docs/numerics.md section 1. Bit-exact: integer equality, float32 compared as uint32."""
 from __future__ import annotations
 
 import json
@@ -236,7 +236,7 @@ def test_layout_errors():
 
 # ------------------------------------------------------------------------------------------- parameters
 def np_qparams(rmin, rmax, qmin, qmax, symmetric):
-    """Direct numpy transcription of NUMERICS.md section 1 for one range."""
+    """Direct numpy transcription of docs/numerics.md section 1 for one range."""
     rmin, rmax = min(np.float64(rmin), 0.0), max(np.float64(rmax), 0.0)
     if symmetric:
         a = max(abs(rmin), abs(rmax))

@@ -1,6 +1,6 @@
 """OCP MX reference against three independent oracles.
 
-1. A slow scalar oracle written from NUMERICS.md section 7 (exact rationals, per element, per block).
+1. A slow scalar oracle written from docs/numerics.md section 7 (exact rationals, per element, per block).
 2. ml_dtypes' float8_e4m3fn / float8_e5m2 / float6_e3m2fn / float6_e2m3fn / float4_e2m1fn casts (element
    rounding inside the representable range).
 3. onnx.reference blocked QuantizeLinear/DequantizeLinear with FLOAT8E8M0 scales (whole MX pipeline,
@@ -22,7 +22,7 @@ from tests.formats.test_bfp import E, assert_bits, block_tensors, round_mode
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ELEMENTS = list(MX_ELEMENTS)
-# name: (ebits, mbits, bias, emax, max_norm) -- the NUMERICS.md section 7 table, typed in again here
+# name: (ebits, mbits, bias, emax, max_norm) -- the docs/numerics.md section 7 table, typed in again here
 TABLE = {
     "fp8_e5m2": (5, 2, 15, 15, Fraction(57344)),
     "fp8_e4m3": (4, 3, 7, 8, Fraction(448)),

@@ -1,4 +1,4 @@
-"""Public functional API (qtorch_onnx.ops): operator defaults, errors, straight-through gradients (NUMERICS.md 8)."""
+"""Public functional API (qtorch_onnx.ops): operator defaults, errors, straight-through gradients (docs/numerics.md 8)."""
 import pytest
 import torch
 
