@@ -186,7 +186,13 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         The exported ``onnx.ModelProto`` (and the map when ``return_map``).
 
     Raises:
-        ExportError: a quantizer is not calibrated, or its format needs the custom operator library.
+        ExportError: a quantizer is not calibrated; a scale that training made zero, negative or NaN (names
+            the tensor); a quantized graph input that is also a graph output; per-channel BF16/FP16 scales in
+            the Cast form; the result fails ``onnx.checker`` (with ``check``). Nothing is written then.
+        OSError: ``path`` cannot be written (an existing file is left as it was).
+
+    The ``com.amd.quark`` nodes it may write (BFP/MX formats, INT32 and BF16/FP16 Q/DQ) need the project's
+    operator library in ONNX Runtime (:func:`qtorch_onnx.get_library_path`; docs/operators.md).
     """
     from qtorch_onnx.training import live_initializers
 

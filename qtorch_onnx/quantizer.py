@@ -227,7 +227,9 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
 
     Args:
         model: path or ``onnx.ModelProto`` (never modified).
-        config: a named config (``"A8W8"``), a Quark ``Config``/``QuantizationConfig``, or a ResolvedConfig.
+        config: a named config (``"A8W8"``, ``"A16W8"``, ``"BF16"``, ``"BFP16"``, ``"MX9"``, ``"MXINT8"``, ...:
+            :func:`qtorch_onnx.get_default_config` lists all and names the closest to a wrong one), a Quark
+            ``Config``/``QuantizationConfig``, or a ResolvedConfig.
         device: move the module there (``"cuda"``, ``"cpu"``); default CPU.
 
     Returns:
@@ -561,8 +563,30 @@ class ModelQuantizer:
                        ) -> Optional[onnx.ModelProto]:
         """Quantize ``model_input`` and write ``model_output`` (atomically), or return the ModelProto.
 
+        The pipeline of this quantizer's configuration: prepare (normalize, graph optimization with
+        ``optimize_model``, CLE with ``include_cle``, lift, placement), calibration, fast finetune
+        (``include_fast_ft``) or automatic mixed precision (``include_auto_mp`` with a target), export.
+        The quantized module stays available as ``self.quantized_model``.
+
+        Args:
+            model_input: path of the float ONNX model, or an ``onnx.ModelProto`` (never modified).
+            model_output: path to write (atomically; ``<file>.data`` beside it with
+                ``use_external_data_format``), or None to only return the model.
+            calibration_data_reader: an ONNX Runtime ``CalibrationDataReader`` (``get_next()``; read once, for
+                calibration and fast finetune), an iterable of ``{input name: array}`` dicts (or arrays for a
+                single-input model), or a torch ``DataLoader``.
+            calibration_data_path: a folder of ``.npy`` / ``.npz`` samples, used when no reader is given.
+            device: torch device for calibration and the algorithms (``"cuda"``, ``"cpu"``); default CPU.
+            progress: progress bars for calibration and the algorithms.
+
+        Returns:
+            The exported ``onnx.ModelProto`` when ``model_output`` is None, else None.
+
         Raises:
-            DataError: calibration is needed and no data was given, or the data is invalid.
+            DataError: calibration (or fast finetune, automatic mixed precision) is needed and no data was
+                given, or the data does not match the model's inputs (names the input and the shapes).
+            ModelError / UnsupportedOpsError: the model cannot be read or lifted.
+            ExportError: as :func:`qtorch_onnx.export`.
         """
         from .export import export
 
