@@ -127,7 +127,7 @@ def _rules():
             out = getattr(op, self.layer)(x, _allow_other_inputs=True, _outputs=["layer_out"])
             return getattr(op, self.affine)(out, k)
 
-        def _operands(self, layer_out, k):
+        def _operands(self, layer_out):
             node = layer_out.producer()
             w_val = node.inputs[1] if len(node.inputs) > 1 else None
             b_val = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None else None
@@ -141,7 +141,7 @@ def _rules():
 
         def check(self, context, x, k, layer_out) -> "MatchResult":
             result = MatchResult()
-            node, w_val, b_val = self._operands(layer_out, k)
+            node, w_val, b_val = self._operands(layer_out)
             w = _const(w_val)
             if w is None or w.dtype.kind != "f":
                 return result.fail(f"{self.layer} weight is not a float initializer")
@@ -157,7 +157,7 @@ def _rules():
             return result
 
         def rewrite(self, op, x, k, layer_out):
-            node, w_val, b_val = self._operands(layer_out, k)
+            node, w_val, b_val = self._operands(layer_out)
             w = w_val.const_value.numpy()
             channels = self._channels(node, w)
             kv = _per_channel(k.const_value.numpy(), w.ndim, channels)
