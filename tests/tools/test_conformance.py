@@ -2,7 +2,7 @@
 
 The subset (``CASES``) takes one to four cases of every op the lifter supports (and one function-expanded
 case of the ops with many), spread over the op families; each must lift and match its expected outputs
-under the runner's comparison rules. The full run is ``python -m qtorch_onnx.lift.conformance``.
+under the runner's comparison rules. The full run is ``python -m qtorch_onnx.tools.conformance``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from qtorch_onnx.lift import conformance as cf
+from qtorch_onnx.tools import conformance as cf
 
 CASES = [
     'test_abs', 'test_acos_example', 'test_acosh_example', 'test_add', 'test_affine_grid_2d', 'test_and2d',
@@ -166,7 +166,7 @@ def test_report_has_categories_per_op_rows_and_reasons(cases, tmp_path):
     results = {c.name: {m: cf.run_case(c.path, m, c.op, c.expanded) for m in ("ort", "lift")} for c in picked}
     for r in results.values():
         r["onnx2torch"] = {"status": "error", "detail": "not run", "seconds": 0.0}
-    text = cf.render_markdown(picked, results, wall_s=1.0, command="python -m qtorch_onnx.lift.conformance -f x")
+    text = cf.render_markdown(picked, results, wall_s=1.0, command="python -m qtorch_onnx.tools.conformance -f x")
     for cat in cf.CATEGORIES:
         assert f"| {cat} |" in text
     assert "| Abs | 1 | 1 | 1 | 0 | 1 |" in text
@@ -183,7 +183,7 @@ def test_cli_filter_writes_report(tmp_path):
     import subprocess
 
     out, js = tmp_path / "c.md", tmp_path / "c.json"
-    proc = subprocess.run([sys.executable, "-m", "qtorch_onnx.lift.conformance", "--filter", "^test_(abs|softsign)$",
+    proc = subprocess.run([sys.executable, "-m", "qtorch_onnx.tools.conformance", "--filter", "^test_(abs|softsign)$",
                            "--modes", "ort,lift", "--jobs", "1", "--out", str(out), "--json", str(js)],
                           capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-2000:]

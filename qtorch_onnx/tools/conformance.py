@@ -1,4 +1,4 @@
-"""Lifter conformance on ONNX's backend node tests: ``python -m qtorch_onnx.lift.conformance``.
+"""Lifter conformance on ONNX's backend node tests: ``python -m qtorch_onnx.tools.conformance``.
 
 The onnx wheel ships the node-test case definitions (``onnx/backend/test/case/node/*.py``) but not their
 data. :func:`generate_cases` regenerates them with onnx's own collector
@@ -25,12 +25,12 @@ totals by category before and after, and a per-op table with the reason of every
 
 Command (the full run, documented in the report with its wall time)::
 
-    python -m qtorch_onnx.lift.conformance --out docs/conformance.md --jobs 2
+    python -m qtorch_onnx.tools.conformance --out docs/conformance.md --jobs 2
 
 and the real-model section (lift time, inference time of the lifted module against ONNX Runtime on the
 zoo models, :func:`measure_real_models`)::
 
-    python -m qtorch_onnx.lift.conformance --real-models --threads 1 --out docs/conformance.md
+    python -m qtorch_onnx.tools.conformance --real-models --threads 1 --out docs/conformance.md
 
 This file is also executed by path as the worker (``python conformance.py --worker MODE``): the
 ``onnx2torch`` worker must not import :mod:`qtorch_onnx.lift`, whose import registers our converters.
@@ -995,7 +995,7 @@ def copy_channels_last(gm):
     """A deep copy of ``gm`` with its 4-D parameters and buffers in ``torch.channels_last`` format."""
     import copy
 
-    from .optimize import _to_channels_last
+    from ..lift.optimize import _to_channels_last
 
     cl = copy.deepcopy(gm)
     _to_channels_last(cl)
@@ -1072,7 +1072,7 @@ _WHERE_TIME_GOES = """Where the time goes (torch.profiler and cProfile, 1 thread
 
 def main(argv=None) -> int:
     """CLI entry point (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m qtorch_onnx.lift.conformance", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qtorch_onnx.tools.conformance", description=__doc__.split("\n")[0])
     p.add_argument("--filter", default=None, help="regex on case names (re.search)")
     p.add_argument("--out", default=None, help="write the markdown report here (atomically)")
     p.add_argument("--json", default=None, help="also write the raw results as JSON here")
@@ -1090,7 +1090,7 @@ def main(argv=None) -> int:
         _worker_main(args.worker)
         return 0
     if args.real_models:
-        cmd = "python -m qtorch_onnx.lift.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "python -m qtorch_onnx.tools.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
         section = render_real_models(measure_real_models(threads=args.threads), args.threads, cmd.strip())
         if args.out:
             out = Path(args.out)
@@ -1109,7 +1109,7 @@ def main(argv=None) -> int:
     print(f"{len(cases)} cases, modes {modes}", file=sys.stderr)
     results = run_cases(cases, modes, args.jobs, args.timeout)
     wall = time.monotonic() - t0
-    cmd = "python -m qtorch_onnx.lift.conformance " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = "python -m qtorch_onnx.tools.conformance " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     if args.json:
         write_atomic(args.json, json.dumps({"cases": [asdict(c) for c in cases], "results": results,
                                             "wall_s": wall}, indent=0))
