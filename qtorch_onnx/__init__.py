@@ -41,7 +41,7 @@ _LAZY = {
     **dict.fromkeys(("ModelQuantizer", "QuantizedModel", "calibrate", "prepare"), "quantizer"),
     "get_library_path": "runtime",
     "export": "export",
-    "load_quantized": "importer",
+    "load_quantized": "interop.importer",
     **dict.fromkeys(("learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant",
                      "disable_fake_quant", "observers_disabled", "fake_quant_disabled", "QuantLayer"), "training"),
     **dict.fromkeys(("fast_finetune", "adaround", "adaquant", "sensitivity", "auto_mixed_precision",
@@ -51,7 +51,7 @@ _LAZY = {
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
 _SUBMODULES = ("algorithms", "cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats",
-               "importer", "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
+               "interop", "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
                "triton_kernels")
 
 __all__ = [

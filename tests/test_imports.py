@@ -67,7 +67,7 @@ def test_lift_loads_onnx2torch_and_registers_every_converter():
         from qtorch_onnx.lift import converters as c
         assert c.converter_for('LSTM', 14) is not None  # recurrent.py
         assert c.converter_for('Loop', 16) is not None  # control_flow.py
-        assert c.converter_for('BFPQuantizeDequantize', 1, 'com.amd.quark') is not None  # ops_quark.py
+        assert c.converter_for('BFPQuantizeDequantize', 1, 'com.amd.quark') is not None  # interop/ops_quark.py
         assert callable(qo.lift)
     """
     assert _loaded(code) == ["onnx2torch", "torch", "torchvision"]

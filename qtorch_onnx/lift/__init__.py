@@ -14,8 +14,8 @@ Public API:
 
 Recurrent ops (LSTM, GRU, RNN, com.microsoft::DynamicQuantizeLSTM: :mod:`.recurrent`) and control flow
 (If with a runtime condition, Loop, Scan: :mod:`.control_flow`, subgraphs lifted recursively, their
-tensors in ``tensor_map.subgraphs``) and AMD Quark's custom quantization operators (:mod:`.ops_quark`)
-register their converters when the converters are first needed (see below).
+tensors in ``tensor_map.subgraphs``) and the operator domains plugged in from outside this package
+(:mod:`.plugins`) register their converters when the converters are first needed (see below).
 
 This package knows ONNX and torch, nothing about quantization.
 

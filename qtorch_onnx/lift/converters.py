@@ -469,6 +469,10 @@ def _register_type_only_versions() -> list[tuple[str, int, int]]:
 
 TYPE_ONLY_DELEGATIONS = _register_type_only_versions()
 
-# Converters of the other modules (after the delegations above, which must not fill in their versions): importing
-# this module registers every converter of the lifter, whichever lift module a caller imported first.
-from . import control_flow, ops_quark, recurrent  # noqa: E402,F401
+# Converters of the other modules and of the plugins (after the delegations above, which must not fill in their
+# versions): importing this module registers every converter of the lifter, whichever lift module a caller imported
+# first.
+from . import control_flow, recurrent  # noqa: E402,F401
+from .plugins import load_plugins  # noqa: E402
+
+load_plugins()

@@ -87,8 +87,56 @@ def _shape_map(model: onnx.ModelProto) -> dict[str, tuple]:
     return shapes
 
 
+#: shape-preserving ops onnx's shape inference has no schema for: (domain, op_type) -> output type rule
+_CONTRIB_QDQ = {("com.microsoft", "QuantizeLinear"): "zero_point", ("com.microsoft", "DequantizeLinear"): "scale"}
+
+
+def infer_shapes_through_contrib_qdq(model: onnx.ModelProto, infer) -> onnx.ModelProto:
+    """Run ``infer(model)`` (ONNX shape inference) and carry types and shapes through ONNX Runtime's
+    ``com.microsoft`` QuantizeLinear / DequantizeLinear, which onnx has no schema for (their output has the
+    input's shape; Q: the zero point's type, uint8 without one; DQ: the scale's type), repeating until
+    inference reaches past all of them. Registering schemas for them is not an option: ``onnx.reference``
+    requires op names unique across domains. Returns a new model; ``model`` is not modified.
+    """
+    out = infer(model)
+    for _ in range(len(out.graph.node)):
+        known = {v.name: v for v in list(out.graph.input) + list(out.graph.value_info) + list(out.graph.output)
+                 if v.type.tensor_type.HasField("shape")}
+        elem = {t.name: t.data_type for t in out.graph.initializer}
+        for v in list(out.graph.input) + list(out.graph.value_info) + list(out.graph.output):
+            elem.setdefault(v.name, v.type.tensor_type.elem_type)
+        shapes = {t.name: list(t.dims) for t in out.graph.initializer}
+        added = []
+        for n in out.graph.node:
+            rule = _CONTRIB_QDQ.get((n.domain, n.op_type))
+            if rule is None or not n.output or n.output[0] in known:
+                continue
+            src = n.input[0]
+            if src in known:
+                dims = known[src].type.tensor_type.shape.dim
+                shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+            elif src in shapes:
+                shape = shapes[src]
+            else:
+                continue
+            if rule == "zero_point":
+                t = elem.get(n.input[2]) if len(n.input) > 2 and n.input[2] else onnx.TensorProto.UINT8
+            else:
+                t = elem.get(n.input[1]) or onnx.TensorProto.FLOAT
+            if not t:
+                continue
+            added.append(onnx.helper.make_tensor_value_info(n.output[0], t, shape))
+        if not added:
+            break
+        out.graph.value_info.extend(added)
+        out = infer(out)
+    return out
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    from .ops_quark import infer_shapes_through_contrib_qdq
+    from .plugins import load_plugins
+
+    load_plugins()  # their ONNX schemas type the tensors behind their domains' nodes
 
     def infer(m: onnx.ModelProto) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)

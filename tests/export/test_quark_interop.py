@@ -197,7 +197,7 @@ def test_quark_model_outputs_bit_identical(config, lib):
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_lifter_on_quark_models(config):
-    """This project's lifter on a Quark model (com.amd.quark nodes lifted by qtorch_onnx/lift/ops_quark.py, com.microsoft
+    """This project's lifter on a Quark model (com.amd.quark nodes lifted by qtorch_onnx/interop/ops_quark.py, com.microsoft
     Q/DQ weights, run-time Conv weights): the torch module gives Quark's library's outputs bit for bit. The float
     ops between quantizers may differ in the last bit, but every quantizer absorbs that here, except with
     INT32 activations (A32W8), whose step is finer than a float32 ulp: compared to 1e-6 there."""

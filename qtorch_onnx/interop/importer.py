@@ -21,7 +21,7 @@ Placement in the float graph: a quantizer whose input no other node reads direct
 quantizer; one beside a direct float reader, or a second one on the same tensor, becomes a consumer-side
 quantizer of each node reading it; one reading another quantizer's output (Quark's ``DualQuantNodes``)
 becomes a chained consumer-side quantizer (``placement.QuantSpec``). Everything else stays in the model as
-an operator (lifted by the converters of :mod:`qtorch_onnx.lift.ops_quant` / :mod:`~qtorch_onnx.lift.ops_quark`,
+an operator (lifted by the converters of :mod:`qtorch_onnx.lift.ops_quant` / :mod:`~qtorch_onnx.interop.ops_quark`,
 runs, but holds no FakeQuantize) and is listed in ``qm.import_report`` with the reason: sub-byte and float8
 types (no FakeQuantize format), blocked Q/DQ, run-time scales, a Q output read by other ops (QOperator
 models), layouts the placement cannot express.
@@ -46,11 +46,11 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from .errors import ModelError
-from .formats import floating as _floating
-from .formats import integer as _integer
-from .formats.spec import BF16, FP16, BFPFormat, Format, IntFormat, MXFormat
-from .placement import GraphInfo, Plan, QuantSpec, edge_key
+from ..errors import ModelError
+from ..formats import floating as _floating
+from ..formats import integer as _integer
+from ..formats.spec import BF16, FP16, BFPFormat, Format, IntFormat, MXFormat
+from ..placement import GraphInfo, Plan, QuantSpec, edge_key
 
 __all__ = ["load_quantized", "ImportReport"]
 
@@ -306,8 +306,8 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
     Raises:
         ModelError / UnsupportedOpsError: unreadable model, or ops that cannot be lifted.
     """
-    from .lift import lift, load_model
-    from .quantizer import attach_quantizers, resolve
+    from ..lift import lift, load_model
+    from ..quantizer import attach_quantizers, resolve
 
     original = load_model(model)
     work = onnx.ModelProto()
@@ -362,7 +362,7 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
                                 tuple(np.shape(f.zero_point)) if f.zero_point is not None else tuple(np.shape(f.scale)))
         report.lifted[spec.key] = f"{f.fmt.name} {spec.role} ({', '.join(n.name for n in f.nodes)})"
 
-    from .training import make_trainable
+    from ..training import make_trainable
 
     make_trainable(gm)
     qm = attach_quantizers(gm, plan, cfg, setup)
