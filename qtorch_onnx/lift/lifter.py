@@ -1,6 +1,7 @@
 """ONNX -> torch.fx: :func:`lift` (normalize, check support, onnx2torch.convert, fix up, map tensors)."""
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections import OrderedDict
@@ -93,11 +94,32 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
+#: a model whose initializers hold more than this (bytes) is past what protobuf can serialize (2 GiB, margin kept)
+_BIG_MODEL_BYTES = 3 << 29
+#: in such a model, initializers with more elements than this are handed to onnx2torch as graph inputs
+_BIG_TENSOR_ELEMENTS = 1 << 18
+
+
+def _initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers' values, from their dims and element types (protobuf cannot size a message
+    past 2 GiB, so ``ByteSize`` is no help)."""
+    total = 0
+    for t in model.graph.initializer:
+        try:
+            item = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            item = 4
+        total += math.prod(t.dims) * item
+    return total
+
+
 def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """The model as the lifter hands it to onnx2torch, as far as initializers go: every initializer
     whose element type numpy has no native dtype for (:data:`~qtorch_onnx.lift.converters.NUMPY_LESS_TYPES`:
     bfloat16, float8, int4/uint4, int2/uint2, float4/float6, E8M0) becomes a graph input of the same
-    name, element type and shape (appended after the real inputs, initializer order).
+    name, element type and shape (appended after the real inputs, initializer order); in a model whose
+    initializers exceed 1.5 GiB, so do those with more than 2^18 elements (onnx2torch serializes the model
+    it converts, which protobuf cannot do past 2 GiB).
 
     Why: onnx2torch turns every initializer a module reads into a buffer through
     ``OnnxTensor.to_torch`` (``torch.from_numpy`` of ``numpy_helper.to_array``), which fails on the
@@ -114,6 +136,11 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
         ``model`` is not mutated.
     """
     moved = [t for t in model.graph.initializer if t.data_type in _conv.NUMPY_LESS_TYPES]
+    if _initializer_bytes(model) > _BIG_MODEL_BYTES:
+        # onnx2torch sizes (serializes) the model it is given, which protobuf cannot do past 2 GiB: the large
+        # initializers reach it as graph inputs too, bound to their tensors by the lifter like the others
+        moved += [t for t in model.graph.initializer
+                  if math.prod(t.dims) > _BIG_TENSOR_ELEMENTS and t.data_type not in _conv.NUMPY_LESS_TYPES]
     if not moved:
         return model, []
     view = onnx.ModelProto()

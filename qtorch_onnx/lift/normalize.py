@@ -36,6 +36,7 @@ there is one.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Iterable
 
@@ -133,13 +134,42 @@ def infer_shapes_through_contrib_qdq(model: onnx.ModelProto, infer) -> onnx.Mode
     return out
 
 
+#: initializers with more elements than this take no part in shape inference (their values are never shapes;
+#: counted from ``dims``: protobuf cannot even size a message past 2 GiB)
+_INFER_DATA_LIMIT = 1 << 18
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     from .plugins import load_plugins
 
     load_plugins()  # their ONNX schemas type the tensors behind their domains' nodes
 
     def infer(m: onnx.ModelProto) -> onnx.ModelProto:
-        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        # ONNX's shape inference serializes the model: past protobuf's 2 GiB it cannot. It needs the values of
+        # small constants only (shapes, axes), so the data of large initializers is set aside for the call
+        # (each tensor marked external, which inference reads as "no value") and put back afterwards.
+        big = [t for t in m.graph.initializer if math.prod(t.dims) > _INFER_DATA_LIMIT]
+        if not big:
+            return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        held = {}
+        for t in big:
+            kept = onnx.TensorProto()
+            kept.CopyFrom(t)
+            held[t.name] = kept
+            stub = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims,
+                                    data_location=onnx.TensorProto.EXTERNAL)
+            stub.external_data.add(key="location", value="qtorch-onnx-set-aside")
+            t.CopyFrom(stub)
+        try:
+            out = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        finally:
+            for t in m.graph.initializer:
+                if t.name in held:
+                    t.CopyFrom(held[t.name])
+        for t in out.graph.initializer:
+            if t.name in held:
+                t.CopyFrom(held[t.name])
+        return out
 
     try:
         return infer_shapes_through_contrib_qdq(model, infer)
@@ -481,9 +511,9 @@ def _fold_batchnorm(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
         g.node.remove(bn)
     # initializers nobody reads any more (old W/b/scale/... of folded pairs)
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    keep = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
+    for i in reversed(range(len(g.initializer))):  # in place: re-adding a message copies (serializes) it
+        if g.initializer[i].name not in used:
+            del g.initializer[i]
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:
