@@ -47,6 +47,7 @@ import numpy as np
 import onnx
 
 from ..errors import ModelError
+from .normalize import _all_tensor_names, normalize_with_aliases
 
 __all__ = ["FusionReport", "fuse_for_quantization", "normalize_and_fuse", "rule_names"]
 
@@ -244,13 +245,6 @@ def rule_names() -> Tuple[str, ...]:
     return tuple(dict.fromkeys(name for name, _, _, _ in _rule_list()))
 
 
-def _tensor_names(graph: onnx.GraphProto) -> set:
-    names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    for node in graph.node:
-        names.update(o for o in node.output if o)
-    return names
-
-
 def _keep_node_names(before: onnx.GraphProto, after: onnx.GraphProto) -> None:
     """Give each node the rewriter created the name of the first original node it replaced (in place on
     ``after``): a fused ``Conv -> Mul -> Add`` keeps the Conv's name, ``MatMul + Add -> Gemm`` the MatMul's, so
@@ -309,7 +303,7 @@ def fuse_for_quantization(model: onnx.ModelProto, *, max_rounds: int = 8) -> Tup
     from onnxscript.rewriter._rewrite_rule import RewriteRuleSet
 
     report = FusionReport(nodes_before=len(model.graph.node))
-    before = _tensor_names(model.graph)
+    before = _all_tensor_names(model.graph)
     ir_model = ir.serde.deserialize_model(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     last_rule = ""
@@ -337,7 +331,7 @@ def fuse_for_quantization(model: onnx.ModelProto, *, max_rounds: int = 8) -> Tup
         return copy, report
     del fused.graph.value_info[:]
     report.nodes_after = len(fused.graph.node)
-    after = _tensor_names(fused.graph)
+    after = _all_tensor_names(fused.graph)
     _keep_node_names(model.graph, fused.graph)
     # a vanished intermediate of a fused pattern: the surviving output of the node that replaced it is
     # the first surviving downstream tensor of the original graph reading it (one reader, by construction)
@@ -384,8 +378,6 @@ def normalize_and_fuse(model: onnx.ModelProto, *, fold_batchnorm: bool = False, 
     Raises:
         ModelError: as :func:`~qtorch_onnx.lift.normalize_with_aliases`.
     """
-    from .normalize import normalize_with_aliases
-
     normalized, aliases = normalize_with_aliases(model, fold_batchnorm=fold_batchnorm)
     if not optimize:
         return normalized, aliases, None

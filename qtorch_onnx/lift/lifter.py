@@ -19,6 +19,7 @@ from ..errors import ModelError, UnsupportedOpsError
 from . import converters as _conv
 from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
 from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
+from .normalize import is_large_initializer
 from .fusion import normalize_and_fuse
 from .ops_common import tensor_from_proto
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
@@ -96,8 +97,6 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
 
 #: a model whose initializers hold more than this (bytes) is past what protobuf can serialize (2 GiB, margin kept)
 _BIG_MODEL_BYTES = 3 << 29
-#: in such a model, initializers with more elements than this are handed to onnx2torch as graph inputs
-_BIG_TENSOR_ELEMENTS = 1 << 18
 
 
 def _initializer_bytes(model: onnx.ModelProto) -> int:
@@ -118,8 +117,8 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
     whose element type numpy has no native dtype for (:data:`~qtorch_onnx.lift.converters.NUMPY_LESS_TYPES`:
     bfloat16, float8, int4/uint4, int2/uint2, float4/float6, E8M0) becomes a graph input of the same
     name, element type and shape (appended after the real inputs, initializer order); in a model whose
-    initializers exceed 1.5 GiB, so do those with more than 2^18 elements (onnx2torch serializes the model
-    it converts, which protobuf cannot do past 2 GiB).
+    initializers exceed 1.5 GiB, so do the large ones (:func:`~qtorch_onnx.lift.normalize.is_large_initializer`;
+    onnx2torch serializes the model it converts, which protobuf cannot do past 2 GiB).
 
     Why: onnx2torch turns every initializer a module reads into a buffer through
     ``OnnxTensor.to_torch`` (``torch.from_numpy`` of ``numpy_helper.to_array``), which fails on the
@@ -140,7 +139,7 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
         # onnx2torch sizes (serializes) the model it is given, which protobuf cannot do past 2 GiB: the large
         # initializers reach it as graph inputs too, bound to their tensors by the lifter like the others
         moved += [t for t in model.graph.initializer
-                  if math.prod(t.dims) > _BIG_TENSOR_ELEMENTS and t.data_type not in _conv.NUMPY_LESS_TYPES]
+                  if is_large_initializer(t) and t.data_type not in _conv.NUMPY_LESS_TYPES]
     if not moved:
         return model, []
     view = onnx.ModelProto()

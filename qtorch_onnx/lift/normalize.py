@@ -134,9 +134,15 @@ def infer_shapes_through_contrib_qdq(model: onnx.ModelProto, infer) -> onnx.Mode
     return out
 
 
-#: initializers with more elements than this take no part in shape inference (their values are never shapes;
-#: counted from ``dims``: protobuf cannot even size a message past 2 GiB)
-_INFER_DATA_LIMIT = 1 << 18
+#: initializers with more elements than this are "large": their values are never shapes, so shape inference
+#: runs without their data, and in a model past protobuf's limits onnx2torch gets them as graph inputs
+#: (counted from ``dims``: protobuf cannot even size a message past 2 GiB)
+LARGE_INITIALIZER_ELEMENTS = 1 << 18
+
+
+def is_large_initializer(t: onnx.TensorProto) -> bool:
+    """True for an initializer with more than :data:`LARGE_INITIALIZER_ELEMENTS` elements (from its dims)."""
+    return math.prod(t.dims) > LARGE_INITIALIZER_ELEMENTS
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -148,7 +154,7 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
         # ONNX's shape inference serializes the model: past protobuf's 2 GiB it cannot. It needs the values of
         # small constants only (shapes, axes), so the data of large initializers is set aside for the call
         # (each tensor marked external, which inference reads as "no value") and put back afterwards.
-        big = [t for t in m.graph.initializer if math.prod(t.dims) > _INFER_DATA_LIMIT]
+        big = [t for t in m.graph.initializer if is_large_initializer(t)]
         if not big:
             return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
         held = {}
