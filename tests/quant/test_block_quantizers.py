@@ -15,13 +15,18 @@ NAMES = ["BFP16", "MX4", "MX6", "MX9", "MXINT8", "MXFP8E4M3", "MXFP8E5M2", "MXFP
          "BF16_BFP16", "BF16_MXINT8", "MX9_INT8"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_named_block_configs_emulate(name):
-    qm = qo.prepare(cnn(), name)
+def _calibrate_or_quantize(qm):
+    """Calibrate where an activation quantizer needs it (integer parts), else switch quantization on."""
     if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
         qo.calibrate(qm, calib_data(2), progress=False)
     else:
         qm.set_mode("quantize")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_named_block_configs_emulate(name):
+    qm = qo.prepare(cnn(), name)
+    _calibrate_or_quantize(qm)
     x = torch.from_numpy(calib_data(1, seed=9)[0]["input"])
     y = qm(x)
     qm.set_mode("float")
@@ -43,10 +48,7 @@ def test_named_block_configs_export_bit_exact(name):
     from qtorch_onnx.runtime import check_parity
 
     qm = qo.prepare(cnn(), name)
-    if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
-        qo.calibrate(qm, calib_data(2), progress=False)
-    else:
-        qm.set_mode("quantize")
+    _calibrate_or_quantize(qm)
     exported, qmap = qo.export(qm, None, return_map=True)
     onnx.checker.check_model(exported, full_check=True)
     ops_used = {(n.domain, n.op_type) for n in exported.graph.node}
@@ -106,10 +108,7 @@ def test_user_block_axis_acts_where_the_reader_does_not_decide(attrs, kind):
     specs = qm.plan.specs
     assert specs["input"].axis == 3 and specs["w2"].axis == 3  # Conv input and weight: the user's axis (W)
     assert specs["fc_w"].axis == 1 and specs["flat"].axis == 1  # Gemm: still the reduction axis
-    if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
-        qo.calibrate(qm, calib_data(2), progress=False)
-    else:
-        qm.set_mode("quantize")
+    _calibrate_or_quantize(qm)
     exported, qmap = qo.export(qm, None, return_map=True)
     onnx.checker.check_model(exported, full_check=True)
     rep = check_parity(qm, exported, qmap, to_samples(calib_data(2, seed=7), qm.input_specs),
