@@ -791,8 +791,8 @@ def block_axes(config: Any) -> dict[str, int]:
     """The ``axis`` values given in ``BFPAttributes`` / ``MXAttributes``, as ``{"BFPAttributes": 1, ...}``.
 
     ``axis`` is a placement property, not part of a Format: docs/configuration.md makes MatMul/Gemm/Softmax inputs follow
-    their reduction axis, Conv keep axis 1 and 1-D tensors use axis 0. Placement may use these values as the
-    user's default for the remaining tensors. Empty when no axis was given.
+    their reduction axis and 1-D tensors use axis 0; placement uses these values for the remaining tensors
+    (Conv inputs and weights; axis 1 without them). Empty when no axis was given.
     """
     return dict(_parse(_unwrap(config)).block_axes)
 
@@ -819,8 +819,4 @@ def resolve_config(config: Any) -> ResolvedConfig:
     qc = _unwrap(config)
     parsed = _parse(qc)
     check_features(parsed.features)
-    kwargs = dict(parsed.kwargs)
-    names = {f.name for f in dataclasses.fields(ResolvedConfig)}
-    if "block_axes" in names:  # forward compatible: internal.py may grow a field for the user's block axis
-        kwargs["block_axes"] = dict(parsed.block_axes)
-    return ResolvedConfig(**kwargs)
+    return ResolvedConfig(**parsed.kwargs, block_axes=dict(parsed.block_axes))
