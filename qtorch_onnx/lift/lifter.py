@@ -1,7 +1,6 @@
 """ONNX -> torch.fx: :func:`lift` (normalize, check support, onnx2torch.convert, fix up, map tensors)."""
 from __future__ import annotations
 
-import math
 import operator
 import time
 from collections import OrderedDict
@@ -19,7 +18,7 @@ from ..errors import ModelError, UnsupportedOpsError
 from . import converters as _conv
 from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
 from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
-from .normalize import is_large_initializer
+from .normalize import large_initializers
 from .fusion import normalize_and_fuse
 from .ops_common import tensor_from_proto
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
@@ -95,29 +94,12 @@ def _opsets(model: onnx.ModelProto) -> dict[str, int]:
     return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
 
 
-#: a model whose initializers hold more than this (bytes) is past what protobuf can serialize (2 GiB, margin kept)
-_BIG_MODEL_BYTES = 3 << 29
-
-
-def _initializer_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the initializers' values, from their dims and element types (protobuf cannot size a message
-    past 2 GiB, so ``ByteSize`` is no help)."""
-    total = 0
-    for t in model.graph.initializer:
-        try:
-            item = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        except (KeyError, TypeError, ValueError):
-            item = 4
-        total += math.prod(t.dims) * item
-    return total
-
-
 def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
     """The model as the lifter hands it to onnx2torch, as far as initializers go: every initializer
     whose element type numpy has no native dtype for (:data:`~qtorch_onnx.lift.converters.NUMPY_LESS_TYPES`:
     bfloat16, float8, int4/uint4, int2/uint2, float4/float6, E8M0) becomes a graph input of the same
-    name, element type and shape (appended after the real inputs, initializer order); in a model whose
-    initializers exceed 1.5 GiB, so do the large ones (:func:`~qtorch_onnx.lift.normalize.is_large_initializer`;
+    name, element type and shape (appended after the real inputs, initializer order); in a model past
+    protobuf's size limit, so do its large initializers (:func:`~qtorch_onnx.lift.normalize.large_initializers`:
     onnx2torch serializes the model it converts, which protobuf cannot do past 2 GiB).
 
     Why: onnx2torch turns every initializer a module reads into a buffer through
@@ -135,11 +117,9 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
         ``model`` is not mutated.
     """
     moved = [t for t in model.graph.initializer if t.data_type in _conv.NUMPY_LESS_TYPES]
-    if _initializer_bytes(model) > _BIG_MODEL_BYTES:
-        # onnx2torch sizes (serializes) the model it is given, which protobuf cannot do past 2 GiB: the large
-        # initializers reach it as graph inputs too, bound to their tensors by the lifter like the others
-        moved += [t for t in model.graph.initializer
-                  if is_large_initializer(t) and t.data_type not in _conv.NUMPY_LESS_TYPES]
+    # onnx2torch sizes (serializes) the model it is given, which protobuf cannot do past 2 GiB: the large
+    # initializers of such a model reach it as graph inputs too, bound to their tensors like the others
+    moved += [t for t in large_initializers(model) if t.data_type not in _conv.NUMPY_LESS_TYPES]
     if not moved:
         return model, []
     view = onnx.ModelProto()

@@ -134,15 +134,27 @@ def infer_shapes_through_contrib_qdq(model: onnx.ModelProto, infer) -> onnx.Mode
     return out
 
 
-#: initializers with more elements than this are "large": their values are never shapes, so shape inference
-#: runs without their data, and in a model past protobuf's limits onnx2torch gets them as graph inputs
-#: (counted from ``dims``: protobuf cannot even size a message past 2 GiB)
+#: a model whose initializers hold more than this (bytes) is past what protobuf can serialize (2 GiB, margin kept)
+BIG_MODEL_BYTES = 3 << 29
+#: in such a model, initializers with more elements than this are "large": their values are never shapes
 LARGE_INITIALIZER_ELEMENTS = 1 << 18
 
 
-def is_large_initializer(t: onnx.TensorProto) -> bool:
-    """True for an initializer with more than :data:`LARGE_INITIALIZER_ELEMENTS` elements (from its dims)."""
-    return math.prod(t.dims) > LARGE_INITIALIZER_ELEMENTS
+def large_initializers(model: onnx.ModelProto) -> list:
+    """The initializers of ``model`` with more than :data:`LARGE_INITIALIZER_ELEMENTS` elements when its
+    initializers hold more than :data:`BIG_MODEL_BYTES`, else ``[]``. Sizes come from dims and element types:
+    protobuf cannot serialize, nor even size (``ByteSize``), a message past 2 GiB. Shape inference runs
+    without their data and onnx2torch gets them as graph inputs."""
+    total = 0
+    for t in model.graph.initializer:
+        try:
+            item = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            item = 4
+        total += math.prod(t.dims) * item
+    if total <= BIG_MODEL_BYTES:
+        return []
+    return [t for t in model.graph.initializer if math.prod(t.dims) > LARGE_INITIALIZER_ELEMENTS]
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -152,9 +164,9 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
 
     def infer(m: onnx.ModelProto) -> onnx.ModelProto:
         # ONNX's shape inference serializes the model: past protobuf's 2 GiB it cannot. It needs the values of
-        # small constants only (shapes, axes), so the data of large initializers is set aside for the call
+        # small constants only (shapes, axes), so the data of the large initializers is set aside for the call
         # (each tensor marked external, which inference reads as "no value") and put back afterwards.
-        big = [t for t in m.graph.initializer if is_large_initializer(t)]
+        big = large_initializers(m)
         if not big:
             return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
         held = {}

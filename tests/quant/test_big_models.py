@@ -30,7 +30,7 @@ def test_large_initializer_paths_give_the_same_model(monkeypatch):
     want = {t.name: t.SerializeToString() for t in normalize.normalize(model, fold_batchnorm=True).graph.initializer}
     # every initializer counts as large: set aside during shape inference, handed to onnx2torch as a graph input
     monkeypatch.setattr(normalize, "LARGE_INITIALIZER_ELEMENTS", 0)
-    monkeypatch.setattr(lifter, "_BIG_MODEL_BYTES", 0)
+    monkeypatch.setattr(normalize, "BIG_MODEL_BYTES", 0)
     norm = normalize.normalize(model, fold_batchnorm=True)
     # the normalized model still holds every initializer's data (set aside for inference and put back)
     assert {t.name: t.SerializeToString() for t in norm.graph.initializer} == want
