@@ -67,6 +67,17 @@ SETTINGS = {  # name: (wide config, narrow format, dual quant nodes)
 }
 
 
+class Reader:
+    """An ONNX Runtime style CalibrationDataReader over a list of samples (one pass), as a user would give it
+    (the benchmarks of this folder hand the same kind to ours and to Quark's worker)."""
+
+    def __init__(self, samples):
+        self._it = iter(samples)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
 def _log(msg: str) -> None:
     print(f"[auto_mp_vs_quark {time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.2f})", flush=True)
 

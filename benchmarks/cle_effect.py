@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -27,6 +28,8 @@ from typing import Dict, List
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # this folder's shared helpers
+from auto_mp_vs_quark import Reader  # noqa: E402  (a CalibrationDataReader over samples, as a user gives it)
 VARIANTS = [  # (label, include_cle, extra_options)
     ("no CLE", False, {}),
     ("CLE (1 sweep)", True, {}),
@@ -63,14 +66,6 @@ def _metrics(ys, yf) -> Dict[str, float]:
     den = sum(float(np.sum(b.astype(np.float64) ** 2)) for b in yf)
     agree = float(np.mean([int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(ys, yf)]))
     return {"rel_error": (num / den) ** 0.5, "top1_agreement": agree}
-
-
-class _Reader:
-    def __init__(self, samples):
-        self._it = iter(samples)
-
-    def get_next(self):
-        return next(self._it, None)
 
 
 def run_quark(venv: Path, model: str, calib, names, runs, work: Path) -> Dict[str, dict]:
@@ -133,7 +128,7 @@ def main(argv=None) -> dict:
                 path = work / f"ours_{setting}_{i}.onnx"
                 t0 = time.perf_counter()
                 q = qo.ModelQuantizer(_config(setting, cle, extra))
-                q.quantize_model(model, str(path), _Reader(calib), progress=False)
+                q.quantize_model(model, str(path), Reader(calib), progress=False)
                 rec = {"seconds": time.perf_counter() - t0, **_metrics(_ort(str(path), evals), yf)}
                 rep = q.quantized_model.cle_report
                 rec["pairs"] = len(rep.pairs) if rep is not None else 0

@@ -71,6 +71,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's qtorch_onnx, not another installed copy
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's shared helpers
+from auto_mp_vs_quark import Reader  # noqa: E402  (a CalibrationDataReader over samples, as a user gives it)
 WORKER = Path(__file__).resolve().parent / "_quark_ft_worker.py"
 TARGET_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul"]
 SEED = 1705472343
@@ -229,16 +231,6 @@ class _TrainTimer:
     def take(self) -> Dict[str, float]:
         t, self.t = self.t, {"training": 0.0, "finetune": 0.0, "finetune_cpu": 0.0}
         return t
-
-
-class Reader:
-    """An ONNX Runtime style CalibrationDataReader (one pass), as a user would give it."""
-
-    def __init__(self, samples):
-        self._it = iter(samples)
-
-    def get_next(self):
-        return next(self._it, None)
 
 
 def our_config(setting: str, ft: Optional[dict]):

@@ -64,7 +64,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # this folder's runner of Quark's venv and metrics helpers
 
 from _quark_table_worker import config_fields  # noqa: E402
-from auto_mp_vs_quark import Quark, _machine, ort_outputs, save_data  # noqa: E402
+from auto_mp_vs_quark import Quark, Reader, _machine, ort_outputs, save_data  # noqa: E402
 
 CONFIGS = ["A8W8", "A16W8", "BF16", "BFP16"]
 SKIPPED = {"ddddocr-old": "already dynamically INT8-quantized (ConvInteger, MatMulInteger, DynamicQuantizeLinear): "
@@ -79,16 +79,6 @@ BELOW_TOL = 1e-5  # ours counts as below Quark when its headline cosine is lower
 
 def _log(msg: str) -> None:
     print(f"[real_models_table {time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.2f})", flush=True)
-
-
-class _Reader:
-    """An ONNX Runtime CalibrationDataReader over a list of samples (the same kind Quark's worker gets)."""
-
-    def __init__(self, samples):
-        self._it = iter(samples)
-
-    def get_next(self):
-        return next(self._it, None)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -218,7 +208,7 @@ def run_ours(model: str, config: str, calib, evals, out: Path, overrides: Option
         load0 = os.getloadavg()
         c0 = time.process_time()
         t0 = time.perf_counter()
-        ModelQuantizer(Config(global_quant_config=qc)).quantize_model(model, str(out), _Reader(calib), progress=False)
+        ModelQuantizer(Config(global_quant_config=qc)).quantize_model(model, str(out), Reader(calib), progress=False)
         rec.update(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
                    loadavg=[load0, os.getloadavg()])
         rec["stage"] = "profile"
