@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
@@ -48,20 +48,13 @@ from qtorch_onnx.errors import ExportError
 from qtorch_onnx.fakequant import FakeQuantize
 from qtorch_onnx.formats import floating as _floating
 from qtorch_onnx.formats import integer as _integer
-from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
+from qtorch_onnx.formats.spec import FloatFormat, IntFormat, check_family_table
 
 __all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "save_bytes_atomic", "safe_name",
            "QUARK_DOMAIN"]
 
 #: custom operator domain of Quark 0.13 and of this project's operator library (docs/operators.md)
 QUARK_DOMAIN = "com.amd.quark"
-
-_INT_ONNX = {
-    (4, True): TensorProto.INT4, (4, False): TensorProto.UINT4,
-    (8, True): TensorProto.INT8, (8, False): TensorProto.UINT8, (16, True): TensorProto.INT16,
-    (16, False): TensorProto.UINT16, (32, True): TensorProto.INT32, (32, False): TensorProto.UINT32,
-}
-
 
 @dataclass
 class QuantizerNodes:
@@ -212,11 +205,12 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         old.CopyFrom(new)
 
     opset = _opset(model)
-    needs_4 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits == 4 for f in fqs.values())
+    integer = [f for f in fqs.values() if f.fmt.family.integer_grid]
+    needs_4 = any(f.fmt.bits == 4 for f in integer)
     if needs_4 and model.ir_version < 10:
         model.ir_version = 10  # INT4/UINT4 tensors need IR version 10
-    needs_16 = any(isinstance(f.fmt, IntFormat) and f.fmt.bits in (4, 16) for f in fqs.values())
-    needs_axis = any(isinstance(f.fmt, IntFormat) and f.scale.dim() > 0 for f in fqs.values())
+    needs_16 = any(f.fmt.bits in (4, 16) for f in integer)
+    needs_axis = any(f.scale.dim() > 0 for f in integer)
     use_ms = (needs_16 and opset < 21) or (needs_axis and opset < 13) or opset < 10
     qdomain = "com.microsoft" if use_ms else ""
     if use_ms and not any(o.domain == "com.microsoft" for o in model.opset_import):
@@ -262,7 +256,7 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
             if value is None:
                 value = numpy_helper.to_array(inits[tensor])
             value = np.asarray(value, dtype=np.float32)
-            qint = _weight_integers(qm, tensor, fq) if isinstance(fmt, IntFormat) else None
+            qint = _weight_integers(qm, tensor, fq) if fmt.family.integer_grid else None
             nodes, new_inits, qn = claim(base, lambda b: _weight_nodes(tensor, b, value, fq, qdomain, qint))
             graph.initializer.remove(inits[tensor])
             graph.initializer.extend(new_inits)
@@ -386,34 +380,29 @@ def _axis_attrs(fq: FakeQuantize) -> dict:
 
 
 def _block_node(base: str, src: str, out: str, fq: FakeQuantize) -> onnx.NodeProto:
-    """``BFPQuantizeDequantize`` / ``MXQuantizeDequantize`` with every attribute written out (docs/operators.md)."""
+    """``BFPQuantizeDequantize`` / ``MXQuantizeDequantize`` (the family's operator) with every attribute of the
+    format written out, the prime-only BFP ones too, as Quark writes them (docs/operators.md)."""
     fmt = fq.fmt
-    axis = {} if fq.onnx_axis is None else {"axis": int(fq.onnx_axis)}
-    if isinstance(fmt, BFPFormat):
-        # every attribute, the prime-only ones too (as Quark writes them; ignored by "to_bfp")
-        attrs = dict(bfp_method=fmt.bfp_method, bit_width=fmt.bit_width, block_size=fmt.block_size,
-                     rounding_mode=fmt.rounding_mode, sub_block_size=fmt.sub_block_size,
-                     sub_block_shift_bits=fmt.sub_block_shift_bits,
-                     convert_to_bfloat_before_bfp=int(fmt.convert_to_bfloat_before_bfp))
-        return helper.make_node("BFPQuantizeDequantize", [src], [out], name=f"{base}_BFPQuantizeDequantize",
-                                domain=QUARK_DOMAIN, **attrs, **axis)
-    return helper.make_node("MXQuantizeDequantize", [src], [out], name=f"{base}_MXQuantizeDequantize",
-                            domain=QUARK_DOMAIN, element_dtype=fmt.element_dtype, block_size=fmt.block_size,
-                            rounding_mode=fmt.rounding_mode, **axis)
+    op = fmt.family.onnx_ops[0]
+    attrs = {f.name: (getattr(fmt, f.name) if isinstance(getattr(fmt, f.name), str) else int(getattr(fmt, f.name)))
+             for f in fields(fmt)}
+    if fq.onnx_axis is not None:
+        attrs["axis"] = int(fq.onnx_axis)
+    return helper.make_node(op, [src], [out], name=f"{base}_{op}", domain=QUARK_DOMAIN, **attrs)
 
 
 def _uses_extended(fq: FakeQuantize) -> bool:
     """Formats written as com.amd.quark ExtendedQuantizeLinear/ExtendedDequantizeLinear."""
     fmt = fq.fmt
-    if isinstance(fmt, IntFormat):
+    if fmt.family.integer_grid:
         return fmt.bits == 32 and fq.role == "activation"
-    return isinstance(fmt, FloatFormat) and fq.float_form == "qdq"
+    return fmt.family.name == "float" and fq.float_form == "qdq"
 
 
 def _extended_qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProto], str, str]:
     """Scale (float32) and zero point (the target type: int32/uint32, bfloat16 or float16 +0.0)."""
     fmt = fq.fmt
-    if isinstance(fmt, IntFormat):
+    if fmt.family.integer_grid:
         return _qparam_inits(base, fq)
     scale = fq.scale.detach().cpu().numpy().astype(np.float32)
     s_name, z_name = f"{base}_scale", f"{base}_zero_point"
@@ -428,29 +417,43 @@ def _extended_qparam_inits(base: str, fq: FakeQuantize) -> Tuple[List[TensorProt
 
 
 def _activation_nodes(tensor, base, src, out, fq: FakeQuantize, qdomain):
-    fmt = fq.fmt
+    """The nodes that quantize-dequantize a tensor computed by the graph (``src`` -> ``out``): the format
+    family's writer (:data:`_ACTIVATION_WRITERS`). Returns (nodes, new initializers, QuantizerNodes)."""
+    return _ACTIVATION_WRITERS[fq.fmt.family.name](tensor, base, src, out, fq, qdomain)
+
+
+def _block_activation(tensor, base, src, out, fq: FakeQuantize, qdomain):
     qn = QuantizerNodes(tensor, fq.role, src, out)
-    if isinstance(fmt, (BFPFormat, MXFormat)):
-        node = _block_node(base, src, out, fq)
-        qn.nodes = [node.name]
-        return [node], [], qn
-    if isinstance(fmt, IntFormat) or _uses_extended(fq):
-        ext = _uses_extended(fq)
-        inits, s, z = _extended_qparam_inits(base, fq) if ext else _qparam_inits(base, fq)
-        q_op, dq_op = ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear") if ext else ("QuantizeLinear", "DequantizeLinear")
-        domain = QUARK_DOMAIN if ext else (fq.qdq_domain if fq.qdq_domain is not None else qdomain)
-        qname, dqname = f"{base}_{q_op}", f"{base}_{dq_op}"
-        nodes = [
-            helper.make_node(q_op, [src, s, z], [f"{base}_{q_op}_Output"], name=qname, domain=domain,
-                             **_axis_attrs(fq)),
-            helper.make_node(dq_op, [f"{base}_{q_op}_Output", s, z], [out], name=dqname, domain=domain,
-                             **_axis_attrs(fq)),
-        ]
-        qn.nodes = [qname, dqname]
-        qn.initializers = [s, z]
-        return nodes, inits, qn
-    # Cast form of BF16 / FP16 (docs/numerics.md section 3)
-    return _cast_form(tensor, base, src, out, fq, qn)
+    node = _block_node(base, src, out, fq)
+    qn.nodes = [node.name]
+    return [node], [], qn
+
+
+def _float_activation(tensor, base, src, out, fq: FakeQuantize, qdomain):
+    """BF16/FP16: the Extended Q/DQ pair, or the Cast form (docs/numerics.md section 3)."""
+    if _uses_extended(fq):
+        return _qdq_pair(tensor, base, src, out, fq, qdomain)
+    return _cast_form(tensor, base, src, out, fq, QuantizerNodes(tensor, fq.role, src, out))
+
+
+def _qdq_pair(tensor, base, src, out, fq: FakeQuantize, qdomain):
+    """QuantizeLinear -> DequantizeLinear (ONNX or com.microsoft domain), or the com.amd.quark Extended pair
+    for INT32 activations and BF16/FP16 (:func:`_uses_extended`)."""
+    qn = QuantizerNodes(tensor, fq.role, src, out)
+    ext = _uses_extended(fq)
+    inits, s, z = _extended_qparam_inits(base, fq) if ext else _qparam_inits(base, fq)
+    q_op, dq_op = ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear") if ext else ("QuantizeLinear", "DequantizeLinear")
+    domain = QUARK_DOMAIN if ext else (fq.qdq_domain if fq.qdq_domain is not None else qdomain)
+    qname, dqname = f"{base}_{q_op}", f"{base}_{dq_op}"
+    nodes = [
+        helper.make_node(q_op, [src, s, z], [f"{base}_{q_op}_Output"], name=qname, domain=domain,
+                         **_axis_attrs(fq)),
+        helper.make_node(dq_op, [f"{base}_{q_op}_Output", s, z], [out], name=dqname, domain=domain,
+                         **_axis_attrs(fq)),
+    ]
+    qn.nodes = [qname, dqname]
+    qn.initializers = [s, z]
+    return nodes, inits, qn
 
 
 def _cast_form(tensor, base, src, out, fq: FakeQuantize, qn: QuantizerNodes):
@@ -484,22 +487,56 @@ def _cast_form(tensor, base, src, out, fq: FakeQuantize, qn: QuantizerNodes):
 
 
 def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qint: Optional[np.ndarray] = None):
-    fmt = fq.fmt
-    qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
-    x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
-    if fq.weight_storage == "float" and not isinstance(fmt, (BFPFormat, MXFormat)):
+    """The initializers and nodes that replace a quantized initializer ``tensor`` (float32 ``value``, ONNX
+    layout): the format family's writer (:data:`_WEIGHT_WRITERS`); ``qint`` are an integer weight's exported
+    integers when a rounding hook decided them. Returns (nodes, new initializers, QuantizerNodes)."""
+    if fq.weight_storage == "float" and not fq.fmt.family.block:
         # the float initializer feeds the quantizer's nodes, as an activation's value would
         nodes, inits, qn = _activation_nodes(tensor, base, f"{base}_float", tensor, fq, qdomain)
         qn.role = fq.role
         qn.initializers = [f"{base}_float"] + qn.initializers
         return nodes, [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), f"{base}_float")] + inits, qn
-    if isinstance(fmt, (BFPFormat, MXFormat)):
-        qn.input = f"{base}_float"
-        node = _block_node(base, qn.input, tensor, fq)
-        qn.nodes = [node.name]
-        qn.initializers = [qn.input]
-        return [node], [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), qn.input)], qn
-    if isinstance(fmt, FloatFormat) and fq.float_form == "qdq":
+    x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+    return _WEIGHT_WRITERS[fq.fmt.family.name](tensor, base, value, x, fq, qdomain, qint)
+
+
+def _block_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+    """Block formats keep the float initializer, read through the block operator."""
+    qn = QuantizerNodes(tensor, fq.role, f"{base}_float", tensor)
+    node = _block_node(base, qn.input, tensor, fq)
+    qn.nodes = [node.name]
+    qn.initializers = [qn.input]
+    return [node], [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), qn.input)], qn
+
+
+def _integer_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+    """The quantized integers (``qint`` when given) -> DequantizeLinear (docs/operators.md)."""
+    fmt = fq.fmt
+    qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
+    axis = fq.onnx_axis if fq.scale.dim() > 0 else None
+    scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()
+    if qint is not None:
+        q = torch.from_numpy(np.asarray(qint))
+    elif fq.role == "bias" and fmt.bits == 32:
+        q = _integer.quantize_bias(x, scale)
+    else:
+        q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
+    qarr = q.cpu().numpy().astype(fmt.numpy_dtype)
+    inits, s, z = _qparam_inits(base, fq)
+    inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
+    dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
+                          domain=fq.qdq_domain if fq.qdq_domain is not None else qdomain, **_axis_attrs(fq))
+    qn.nodes = [dq.name]
+    qn.initializers = [i.name for i in inits]
+    return [dq], inits, qn
+
+
+def _float_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+    """BF16/FP16 weights stored in the 16-bit type: ExtendedDequantizeLinear (Q/DQ form), or Cast back to
+    float times the scale (Cast form; docs/numerics.md section 3)."""
+    fmt: FloatFormat = fq.fmt
+    qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
+    if fq.float_form == "qdq":
         inits, s, z = _extended_qparam_inits(base, fq)
         axis = fq.onnx_axis if fq.scale.dim() > 0 else None  # the initializer is in ONNX layout
         if fmt.kind == "BF16":
@@ -515,28 +552,9 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qi
         qn.nodes = [dq.name]
         qn.initializers = [i.name for i in inits]
         return [dq], inits, qn
-    if isinstance(fmt, IntFormat):
-        axis = fq.onnx_axis if fq.scale.dim() > 0 else None
-        scale, zp = fq.scale.detach().cpu(), fq.zero_point.detach().cpu()
-        if qint is not None:
-            q = torch.from_numpy(np.asarray(qint))
-        elif fq.role == "bias" and fmt.bits == 32:
-            q = _integer.quantize_bias(x, scale)
-        else:
-            q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
-        qarr = q.cpu().numpy().astype(fmt.numpy_dtype)
-        inits, s, z = _qparam_inits(base, fq)
-        inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
-        dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
-                              domain=fq.qdq_domain if fq.qdq_domain is not None else qdomain, **_axis_attrs(fq))
-        qn.nodes = [dq.name]
-        qn.initializers = [i.name for i in inits]
-        return [dq], inits, qn
-    # BF16/FP16 weights: stored in the 16-bit type, Cast back to float, times the scale
-    fmt_f: FloatFormat = fmt
     scale = float(fq.scale.detach().cpu().reshape(-1)[0])
     v = x if scale == 1.0 else x * torch.tensor(np.float32(1.0) / np.float32(scale))
-    if fmt_f.kind == "BF16":
+    if fmt.kind == "BF16":
         import ml_dtypes
 
         stored = _floating.bf16_round(v).numpy().astype(ml_dtypes.bfloat16)
@@ -554,6 +572,16 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qi
     qn.nodes = [n.name for n in nodes]
     qn.initializers = [i.name for i in inits]
     return nodes, inits, qn
+
+
+#: How each format family is written into the ONNX graph (the export half of the family table,
+#: qtorch_onnx.formats.spec.FAMILIES): tensors computed by the graph, and initializers.
+_ACTIVATION_WRITERS = check_family_table(
+    {"integer": _qdq_pair, "float": _float_activation, "bfp": _block_activation, "mx": _block_activation},
+    "export activation writers")
+_WEIGHT_WRITERS = check_family_table(
+    {"integer": _integer_weight, "float": _float_weight, "bfp": _block_weight, "mx": _block_weight},
+    "export weight writers")
 
 
 def quantizer_submodel(exported: onnx.ModelProto, qmap: Dict[str, QuantizerNodes], tensors: List[str]) -> onnx.ModelProto:

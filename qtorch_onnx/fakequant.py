@@ -23,7 +23,6 @@ Block formats dispatch to the Triton kernels on CUDA when available (see ``backe
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -32,7 +31,7 @@ from torch import nn
 from .errors import ConfigError, UnsupportedFeatureError
 from .formats import floating as _floating
 from .formats import integer as _integer
-from .formats.spec import BFPFormat, FloatFormat, Format, IntFormat, MXFormat
+from .formats.spec import BFPFormat, Format, check_family_table
 from .placement import edge_key
 
 ROLES = ("activation", "weight", "bias")
@@ -159,7 +158,7 @@ class FakeQuantize(nn.Module):
         #: BF16/FP16 export form (docs/numerics.md section 3): "qdq" (Quark's default: ExtendedQuantizeLinear ->
         #: ExtendedDequantizeLinear, dividing by the scale) or "cast" (BF16QDQToCast: Mul by float32(1/scale)
         #: -> Cast -> Cast -> Mul by the scale). prepare() sets it from the configuration.
-        self.float_form = "qdq" if isinstance(fmt, FloatFormat) and not scaled else "cast"
+        self.float_form = "qdq" if fmt.family.name == "float" and not scaled else "cast"
         #: block formats: "auto" (Triton kernels for CUDA tensors, the formats/ reference elsewhere),
         #: "reference" or "triton" (qtorch_onnx.ops.BACKENDS); all give the same bits.
         self.backend = "auto"
@@ -183,7 +182,7 @@ class FakeQuantize(nn.Module):
         self._weight_method_key: Optional[tuple] = None
         self.register_buffer("scale", torch.tensor(1.0, dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor(0, dtype=torch.int64))
-        self.calibrated = isinstance(fmt, (BFPFormat, MXFormat)) or (isinstance(fmt, FloatFormat) and not scaled)
+        self.calibrated = not fmt.family.needs_calibration(scaled)
 
     # ------------------------------------------------------------------ state
     @property
@@ -194,7 +193,7 @@ class FakeQuantize(nn.Module):
     @property
     def needs_calibration(self) -> bool:
         """True when the quantizer's parameters come from calibration data (integer and scaled float)."""
-        return isinstance(self.fmt, IntFormat) or (isinstance(self.fmt, FloatFormat) and self.scaled)
+        return self.fmt.family.needs_calibration(self.scaled)
 
     @property
     def tracks_value(self) -> bool:
@@ -303,7 +302,7 @@ class FakeQuantize(nn.Module):
 
         Returns ``self``; a no-op for formats without a learnable scale.
         """
-        if not isinstance(self.fmt, IntFormat) or self._bias_sources is not None:
+        if not self.fmt.family.integer_grid or self._bias_sources is not None:
             return self
         if enabled == self.learnable:
             return self
@@ -343,7 +342,7 @@ class FakeQuantize(nn.Module):
             ConfigError: the quantizer is not an integer weight quantizer, or ``hook`` is no WeightRounding.
         """
         if hook is not None:
-            if not isinstance(self.fmt, IntFormat) or self.role != "weight":
+            if not self.fmt.family.integer_grid or self.role != "weight":
                 raise ConfigError(f"quantizer on {self.tensor_name!r} ({self.fmt.name} {self.role}): a rounding hook "
                                   "applies to integer weight quantizers only")
             if not isinstance(hook, WeightRounding):
@@ -468,7 +467,7 @@ class FakeQuantize(nn.Module):
         """The integers an integer quantizer stores for ``x`` (this module's layout; export uses it): the
         rounding hook's hard result when one is set, round half to even otherwise. int64 tensor."""
         fmt = self.fmt
-        if not isinstance(fmt, IntFormat):
+        if not fmt.family.integer_grid:
             raise ConfigError(f"quantizer on {self.tensor_name!r}: {fmt.name} has no integer representation")
         with torch.no_grad():
             x = x.detach().float()
@@ -486,7 +485,7 @@ class FakeQuantize(nn.Module):
         Integer formats use the symmetric / asymmetric rule of section 1; scaled BF16/FP16 use
         ``scale = float32(max(|rmin|, |rmax|) / 2)`` (section 3).
         """
-        if isinstance(self.fmt, IntFormat):
+        if self.fmt.family.integer_grid:
             ov = self.qparam_overrides or {}
             if ov:  # TensorQuantOverrides rmin / rmax replace the observed range (per channel where given)
                 rmin = _overridden(torch.as_tensor(rmin, dtype=torch.float64), ov.get("rmin"), torch.float64)
@@ -500,21 +499,19 @@ class FakeQuantize(nn.Module):
                 scale = _overridden(torch.as_tensor(scale, dtype=torch.float32), ov["scale"], torch.float32)
                 zp = _overridden(torch.as_tensor(zp, dtype=torch.int64), ov["zero_point"], torch.int64)
             self.set_qparams(scale, zp)
-        elif isinstance(self.fmt, FloatFormat) and not self.scaled:
-            self.calibrated = True  # plain BF16/FP16 rounding: scale 1, nothing to compute
-        elif isinstance(self.fmt, FloatFormat):
+        elif self.needs_calibration:  # scaled BF16/FP16
             a = torch.maximum(torch.as_tensor(rmin, dtype=torch.float64).abs(), torch.as_tensor(rmax, dtype=torch.float64).abs())
             scale = (a / 2).to(torch.float32)
             scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
             self.set_qparams(scale)
-        else:
+        else:  # plain BF16/FP16 (scale 1), block formats (shared exponents from the data): nothing to compute
             self.calibrated = True
 
     def finish_calibration(self) -> None:
         """Turn the observer's statistics into quantization parameters."""
         if self.observer is None:
             raise ConfigError(f"quantizer on tensor {self.tensor_name!r} has no observer to calibrate from")
-        if isinstance(self.fmt, IntFormat):
+        if self.fmt.family.integer_grid:
             scale, zp = self.observer.compute_qparams(self.fmt, self.symmetric)
             self.set_qparams(scale, zp)
         else:
@@ -523,50 +520,75 @@ class FakeQuantize(nn.Module):
 
     # ------------------------------------------------------------------ numerics
     def quantize_dequantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Fake-quantize ``x`` (float32 tensor of any shape) with the current parameters; differentiable."""
+        """Fake-quantize ``x`` (float32 tensor of any shape) with the current parameters; differentiable.
+
+        Dispatches on ``self.fmt.family`` (:data:`_QUANTIZE_DEQUANTIZE`, one entry per format family)."""
+        return _QUANTIZE_DEQUANTIZE[self.fmt.family.name](self, x)
+
+    def _qdq_integer(self, x: torch.Tensor) -> torch.Tensor:
+        """Integer Q/DQ (docs/numerics.md section 1): STE, LSQ (learnable scale), a rounding hook, INT32 bias."""
         fmt = self.fmt
-        if isinstance(fmt, IntFormat):
-            per_channel = self.scale.dim() > 0
-            axis = self.axis if per_channel else None
-            if self.role == "bias" and fmt.bits == 32:
-                # INT32 bias: float64 division (docs/numerics.md section 1), straight-through gradient
-                with torch.no_grad():
-                    q = _integer.quantize_bias(x, self.scale)
-                    y = _integer.dequantize(q, self.scale, None, axis=axis)
-                    lo, hi = _integer.quant_range(fmt)
-                    mask = (q > lo) & (q < hi)  # saturated elements get no gradient
-                return _floating.straight_through(x, y, mask)
-            scale, zp = self._effective_qparams()
-            if self.rounding is not None:
-                return self._fake_quantize_hooked(x, scale, zp, axis)
-            if self.learnable:
-                return _integer.fake_quantize_lsq(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
-            return _integer.fake_quantize_ste(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
-        if isinstance(fmt, FloatFormat):
-            unit = self.scale.numel() == 1 and float(self.scale) == 1.0
-            if self.float_form == "qdq":
-                if fmt.kind == "BF16":  # ExtendedQuantizeLinear/ExtendedDequantizeLinear, zero point +0.0
-                    return _floating.scaled_bf16_ste(x, self.scale, form="qdq",
-                                                     axis=self.axis if self.scale.dim() > 0 else None)
-                if not unit:
-                    raise UnsupportedFeatureError(
-                        f"quantizer on {self.tensor_name!r}: the FP16 Q/DQ form ignores the scale (Quark's "
-                        "ExtendedQuantizeLinear); a scaled FP16 quantizer needs float_form='cast'")
-                return _floating.fp16_round_ste(x)
-            if self.float_form != "cast":
-                raise ConfigError(f"quantizer on {self.tensor_name!r}: float_form {self.float_form!r}; "
-                                  "valid: 'qdq', 'cast'")
-            rnd = _floating.bf16_round_ste if fmt.kind == "BF16" else _floating.fp16_round_ste
-            if unit:
-                return rnd(x)
-            # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (docs/numerics.md section 3)
-            inv = torch.ones_like(self.scale) / self.scale if self.scale.dim() == 0 else None
-            if inv is None:
-                raise UnsupportedFeatureError(f"quantizer on {self.tensor_name!r}: per-channel {fmt.name} scales")
-            return rnd(x * inv) * self.scale
-        if isinstance(fmt, (BFPFormat, MXFormat)):
-            return self._block_fake_quantize(x)
-        raise ConfigError(f"quantizer on {self.tensor_name!r}: unsupported format {fmt!r}")
+        per_channel = self.scale.dim() > 0
+        axis = self.axis if per_channel else None
+        if self.role == "bias" and fmt.bits == 32:
+            # INT32 bias: float64 division (docs/numerics.md section 1), straight-through gradient
+            with torch.no_grad():
+                q = _integer.quantize_bias(x, self.scale)
+                y = _integer.dequantize(q, self.scale, None, axis=axis)
+                lo, hi = _integer.quant_range(fmt)
+                mask = (q > lo) & (q < hi)  # saturated elements get no gradient
+            return _floating.straight_through(x, y, mask)
+        scale, zp = self._effective_qparams()
+        if self.rounding is not None:
+            return self._fake_quantize_hooked(x, scale, zp, axis)
+        if self.learnable:
+            return _integer.fake_quantize_lsq(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
+        return _integer.fake_quantize_ste(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
+
+    def _qdq_float(self, x: torch.Tensor) -> torch.Tensor:
+        """BF16 / FP16 rounding in its export form (docs/numerics.md section 3): Q/DQ or Cast, scaled or not."""
+        fmt = self.fmt
+        unit = self.scale.numel() == 1 and float(self.scale) == 1.0
+        if self.float_form == "qdq":
+            if fmt.kind == "BF16":  # ExtendedQuantizeLinear/ExtendedDequantizeLinear, zero point +0.0
+                return _floating.scaled_bf16_ste(x, self.scale, form="qdq",
+                                                 axis=self.axis if self.scale.dim() > 0 else None)
+            if not unit:
+                raise UnsupportedFeatureError(
+                    f"quantizer on {self.tensor_name!r}: the FP16 Q/DQ form ignores the scale (Quark's "
+                    "ExtendedQuantizeLinear); a scaled FP16 quantizer needs float_form='cast'")
+            return _floating.fp16_round_ste(x)
+        if self.float_form != "cast":
+            raise ConfigError(f"quantizer on {self.tensor_name!r}: float_form {self.float_form!r}; "
+                              "valid: 'qdq', 'cast'")
+        rnd = _floating.bf16_round_ste if fmt.kind == "BF16" else _floating.fp16_round_ste
+        if unit:
+            return rnd(x)
+        # Cast form: Mul(x, float32(1/scale)) -> Cast -> Cast -> Mul(scale) (docs/numerics.md section 3)
+        inv = torch.ones_like(self.scale) / self.scale if self.scale.dim() == 0 else None
+        if inv is None:
+            raise UnsupportedFeatureError(f"quantizer on {self.tensor_name!r}: per-channel {fmt.name} scales")
+        return rnd(x * inv) * self.scale
+
+    def _block_axis(self, x: torch.Tensor) -> int:
+        """The block axis of this module's layout: ``axis``, or 1 (0 for 1-d tensors) when none was placed."""
+        return self.axis if self.axis is not None else (1 if x.dim() > 1 else 0)
+
+    def _qdq_bfp(self, x: torch.Tensor) -> torch.Tensor:
+        """BFP / BFP-prime (MX4/6/9) quantize-dequantize along the block axis (docs/numerics.md sections 4-6)."""
+        from . import ops as _ops
+
+        return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend,
+                                            **_bfp_kwargs(self.fmt))
+
+    def _qdq_mx(self, x: torch.Tensor) -> torch.Tensor:
+        """OCP MX quantize-dequantize along the block axis (docs/numerics.md sections 4 and 7)."""
+        from . import ops as _ops
+
+        fmt = self.fmt
+        return _ops.mx_quantize_dequantize(x, element_dtype=fmt.element_dtype, axis=self._block_axis(x),
+                                           block_size=fmt.block_size, rounding_mode=fmt.rounding_mode,
+                                           backend=self.backend)
 
     def _fake_quantize_hooked(self, x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, axis) -> torch.Tensor:
         """Integer fake quantization through the rounding hook, differentiable by autograd (the hook's
@@ -590,17 +612,6 @@ class FakeQuantize(nn.Module):
         c = t.clamp(qmin, qmax)
         c = torch.where(torch.isnan(c), torch.full_like(c, qmin), c)
         return (c - zp.to(cd)).to(torch.float32) * scale
-
-    def _block_fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """BFP / BFP-prime / MX quantize-dequantize along ``self.axis`` (docs/numerics.md sections 4-8)."""
-        from . import ops as _ops
-
-        fmt = self.fmt
-        axis = self.axis if self.axis is not None else (1 if x.dim() > 1 else 0)
-        if isinstance(fmt, BFPFormat):
-            return _ops.bfp_quantize_dequantize(x, axis=axis, backend=self.backend, **_bfp_kwargs(fmt))
-        return _ops.mx_quantize_dequantize(x, element_dtype=fmt.element_dtype, axis=axis, block_size=fmt.block_size,
-                                           rounding_mode=fmt.rounding_mode, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Observe (when enabled) and fake-quantize (when enabled and calibrated) ``x``; any shape and float
@@ -645,7 +656,7 @@ class FakeQuantize(nn.Module):
             s += f", consumer={self.consumer!r}"
         if self.axis is not None:
             s += f", axis={self.axis}"
-        if isinstance(self.fmt, IntFormat):
+        if self.fmt.family.integer_grid:
             s += f", symmetric={self.symmetric}"
         return s
 
@@ -671,6 +682,15 @@ def _bfp_kwargs(fmt: BFPFormat) -> dict:
                 rounding_mode=fmt.rounding_mode, sub_block_size=fmt.sub_block_size,
                 sub_block_shift_bits=fmt.sub_block_shift_bits,
                 convert_to_bfloat_before_bfp=fmt.convert_to_bfloat_before_bfp)
+
+
+#: How each format family fake-quantizes (the numerics half of the family table, qtorch_onnx.formats.spec.FAMILIES).
+_QUANTIZE_DEQUANTIZE = check_family_table({
+    "integer": FakeQuantize._qdq_integer,
+    "float": FakeQuantize._qdq_float,
+    "bfp": FakeQuantize._qdq_bfp,
+    "mx": FakeQuantize._qdq_mx,
+}, "FakeQuantize.quantize_dequantize")
 
 
 class ParamQuantizer(nn.Module):

@@ -824,7 +824,7 @@ class PowerOfTwoObserver(Observer):
         if method not in ("NonOverflow", "MinMSE"):
             raise ConfigError(f"power-of-two method {method!r} unknown; valid: 'NonOverflow', 'MinMSE'"
                               + closest(method, ["NonOverflow", "MinMSE"]))
-        if not isinstance(fmt, IntFormat):
+        if not getattr(getattr(fmt, "family", None), "integer_grid", False):
             raise ConfigError(f"power-of-two observers need an integer format, got {fmt!r}")
         if int(pos_range) < 1:
             raise ConfigError(f"pos_range must be >= 1, got {pos_range}")

@@ -47,7 +47,7 @@ import onnx
 
 from .config.internal import ResolvedConfig
 from .errors import ConfigError
-from .formats.spec import INT32, BFPFormat, FloatFormat, Format, IntFormat, MXFormat
+from .formats.spec import INT32, Format
 
 #: Op types quantized by default (ONNX Runtime's QDQ registry plus Quark's additions).
 DEFAULT_OP_TYPES = frozenset(
@@ -360,7 +360,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     _check_names("TensorQuantOverrides", list(cfg.tensor_quant_overrides), tensor_names, "a tensor", aliases)
 
     act_fmt, w_fmt = cfg.activation, cfg.weight
-    float_formats = isinstance(act_fmt, FloatFormat) or isinstance(w_fmt, FloatFormat)
+    float_formats = "float" in (act_fmt.family.name, w_fmt.family.name)  # BF16/FP16 quantize every op type
     all_ops = cfg.quantize_all_op_types or float_formats
     op_types = set(cfg.op_types_to_quantize) if cfg.op_types_to_quantize else set(DEFAULT_OP_TYPES)
 
@@ -380,7 +380,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             return False
         return all_ops or n.op_type in op_types
 
-    integer_bias = cfg.int32_bias and isinstance(act_fmt, IntFormat) and isinstance(w_fmt, IntFormat)
+    integer_bias = cfg.int32_bias and act_fmt.family.integer_grid and w_fmt.family.integer_grid
     specs: Dict[str, QuantSpec] = {}
 
     def act_spec(t: str) -> QuantSpec:
@@ -442,7 +442,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             raise ConfigError("reduce_range=True cannot be combined with power-of-two scales (XINT8 / "
                               "enable_npu_cnn): there is no reduced power-of-two rule")
         for t, sp in list(specs.items()):
-            if sp.role == "weight" and sp.consumer is None and isinstance(sp.fmt, IntFormat) and sp.fmt.bits <= 16:
+            if sp.role == "weight" and sp.consumer is None and sp.fmt.family.integer_grid and sp.fmt.bits <= 16:
                 specs[t] = dataclasses.replace(sp, overrides=sp.overrides + (("reduce_range", True),))
     for t, entries in cfg.tensor_quant_overrides.items():
         entries = list(entries) if isinstance(entries, (list, tuple)) else [entries]
@@ -485,15 +485,16 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     for t, s in list(specs.items()):
         if s.bias_of is not None:
             x, w = s.bias_of
-            if not (x in specs and w in specs and isinstance(specs[x].fmt, IntFormat) and isinstance(specs[w].fmt, IntFormat)):
+            if not (x in specs and w in specs and specs[x].fmt.family.integer_grid
+                    and specs[w].fmt.family.integer_grid):
                 specs[t] = QuantSpec(t, w_fmt, "weight", symmetric=cfg.weight_symmetric,
-                                     narrow_range=cfg.weight_symmetric and isinstance(w_fmt, IntFormat))
+                                     narrow_range=cfg.weight_symmetric and w_fmt.family.integer_grid)
             else:  # per channel exactly when the weight is (TensorQuantOverrides may change that)
                 specs[t] = dataclasses.replace(s, axis=0 if specs[w].axis is not None else None)
     # block formats: the block axis follows the reduction axis (docs/configuration.md)
     for t, s in list(specs.items()):
-        if isinstance(s.fmt, (BFPFormat, MXFormat)):
-            key = "BFPAttributes" if isinstance(s.fmt, BFPFormat) else "MXAttributes"
+        if s.fmt.family.block:
+            key = s.fmt.family.attributes_key
             axis = block_axis(info, s.tensor, s.consumer, default=cfg.block_axes.get(key), key=key)
             specs[t] = dataclasses.replace(s, axis=axis)
     return Plan(specs=specs, info=info)
@@ -515,11 +516,11 @@ def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: GraphInfo, cfg
     dims = tuple(info.initializers[t].dims)
     fmt = act_fmt if cfg.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS else w_fmt
     axis = None
-    if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel and isinstance(fmt, IntFormat):
+    if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel and fmt.family.integer_grid:
         axis = _weight_axis(n, slot, len(dims))
     sym = cfg.weight_symmetric if fmt == w_fmt else cfg.activation_symmetric
     return QuantSpec(t, fmt, "weight", axis=axis, symmetric=sym,
-                     narrow_range=sym and isinstance(fmt, IntFormat) and fmt.signed, scaled=cfg.weight_scaled)
+                     narrow_range=sym and fmt.family.integer_grid and fmt.signed, scaled=cfg.weight_scaled)
 
 
 def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
@@ -535,7 +536,7 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
     promoted = [n for n in model.graph.node if n.op_type in target_ops and in_scope(n)
                 and (chosen is None or n.name in chosen)]
     promoted_names = {n.name for n in promoted}
-    int_bias = cfg.int32_bias and isinstance(act_t, IntFormat) and isinstance(w_t, IntFormat)
+    int_bias = cfg.int32_bias and act_t.family.integer_grid and w_t.family.integer_grid
     edges: Dict[str, QuantSpec] = {}
 
     def act(t: str, **kw) -> QuantSpec:

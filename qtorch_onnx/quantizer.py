@@ -28,9 +28,8 @@ from torch.nn.utils import parametrize
 
 from . import data as _data
 from .config.internal import ResolvedConfig
-from .errors import ConfigError, DataError, ModelError
+from .errors import DataError, ModelError
 from .fakequant import FakeQuantize, ParamQuantizer
-from .formats.spec import FloatFormat, IntFormat
 from .placement import Plan, QuantSpec, plan_quantization
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto]
@@ -177,7 +176,8 @@ def _refs(tensor_map: Any, tensor: str) -> list:
 def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
     from .observers import make_observer
 
-    if isinstance(spec.fmt, IntFormat) and cfg.power_of_two:
+    fam = spec.fmt.family
+    if fam.integer_grid and cfg.power_of_two:
         return make_observer(cfg.calibrate_method, name=spec.tensor, fmt=spec.fmt, symmetric=spec.symmetric)
     method = cfg.calibrate_method
     opts: Dict[str, Any] = {"name": spec.tensor}
@@ -187,7 +187,7 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
         opts.update(percentile=cfg.percentile, num_bins=cfg.num_bins)
     elif method in ("Entropy", "Distribution"):
         opts.update(num_bins=cfg.num_bins)
-    if isinstance(spec.fmt, FloatFormat):  # scaled BF16/FP16 take a plain range
+    if not fam.integer_grid:  # scaled BF16/FP16 take a plain range
         opts = {"name": spec.tensor}
         method = "MinMax"
     return make_observer(method, **opts)
@@ -330,9 +330,9 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
                 continue
             raise ModelError(f"tensor {tensor!r} has no counterpart in the lifted torch graph (lifting bug)")
         observer = None
-        if spec.role == "activation" and not spec.overrides and spec.share_with is None and (
-            isinstance(spec.fmt, IntFormat) or (isinstance(spec.fmt, FloatFormat) and spec.scaled)
-        ):
+        fam = spec.fmt.family
+        if spec.role == "activation" and not spec.overrides and spec.share_with is None \
+                and fam.needs_calibration(spec.scaled):
             observer = _observer_for(spec, cfg)
         param_refs = [r for r in refs if r.kind == "param"]
         torch_axis = spec.axis
@@ -340,9 +340,9 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
             torch_axis = list(param_refs[0].perm).index(spec.axis)
         fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
                           symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled,
-                          power_of_two=cfg.power_of_two and isinstance(spec.fmt, IntFormat), consumer=spec.consumer,
+                          power_of_two=cfg.power_of_two and fam.integer_grid, consumer=spec.consumer,
                           chained=spec.chained)
-        if isinstance(spec.fmt, FloatFormat):
+        if fam.name == "float":
             # BF16: Q/DQ form unless BF16QDQToCast; FP16: Q/DQ form unless scaled (Quark's FP16 Q/DQ
             # ignores the scale, so a scaled FP16 quantizer is written in the Cast form)
             cast = cfg.bf16_qdq_to_cast if spec.fmt.kind == "BF16" else spec.scaled
@@ -350,7 +350,7 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if spec.overrides:  # TensorQuantOverrides on an initializer: pinned into every qparams computation
                 fq.qparam_overrides = dict(spec.overrides)
-            if spec.role == "weight" and isinstance(spec.fmt, IntFormat) and cfg.weight_calibrate_method != "MinMax" \
+            if spec.role == "weight" and fam.integer_grid and cfg.weight_calibrate_method != "MinMax" \
                     and not (cfg.weight_calibrate_method == "NonOverflow" and cfg.power_of_two):  # that is min/max
                 fq.weight_method = _weight_method(spec, cfg)
             if tensor in plan.info.initializers:

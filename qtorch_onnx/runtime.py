@@ -194,17 +194,15 @@ class ParityReport:
 def _steps(diff: np.ndarray, ref: np.ndarray, fq: Optional[FakeQuantize]) -> Optional[float]:
     import numpy as np
 
-    from .formats.spec import FloatFormat, IntFormat
-
     if fq is None or diff.size == 0:
         return None
-    if isinstance(fq.fmt, IntFormat):
+    if fq.fmt.family.integer_grid:
         scale = fq.scale.detach().cpu().numpy().astype(np.float64)
         if scale.ndim:
             return None
         return float(diff.max() / scale)
-    if isinstance(fq.fmt, FloatFormat):
-        mant = 7 if fq.fmt.kind == "BF16" else 10
+    if fq.fmt.family.name == "float":
+        mant = fq.fmt.mantissa_bits
         mag = np.maximum(np.abs(ref).astype(np.float64), np.finfo(np.float32).tiny)
         ulp = np.exp2(np.floor(np.log2(mag)) - mant)
         return float((diff / ulp).max())

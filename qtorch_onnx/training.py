@@ -551,8 +551,7 @@ def _fmt_from_dict(d: Dict[str, Any]):
     from .formats import spec as fspec
 
     d = dict(d)
-    cls = {"IntFormat": fspec.IntFormat, "FloatFormat": fspec.FloatFormat, "BFPFormat": fspec.BFPFormat,
-           "MXFormat": fspec.MXFormat}[d.pop("class")]
+    cls = fspec.FORMAT_CLASSES[d.pop("class")]
     return cls(**d)
 
 
@@ -581,9 +580,9 @@ def _plain(v):
     import dataclasses
     import enum
 
-    from .formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
+    from .formats.spec import is_format
 
-    if isinstance(v, (IntFormat, FloatFormat, BFPFormat, MXFormat)):
+    if is_format(v):
         return {"__format__": _fmt_to_dict(v)}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {"__dataclass__": type(v).__name__,

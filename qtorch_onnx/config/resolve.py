@@ -301,7 +301,7 @@ def _type_to_format(value: Any, where: str, bfp: F.BFPFormat, mx: F.MXFormat):
 
 def is_block_format(fmt: Any) -> bool:
     """True for BFP / BFP-prime / MX formats (the ones gated by ``IMPLEMENTED['block_formats']``)."""
-    return isinstance(fmt, (F.BFPFormat, F.MXFormat))
+    return F.is_format(fmt) and fmt.family.block
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -540,13 +540,13 @@ def _parse(qc: Any) -> _Parsed:
         kw["fast_finetune"] = None
 
     # --- cross checks ---------------------------------------------------------------------------------
-    float_formats = [f for f in [activation, weight, *tensor_precision.values()] if isinstance(f, F.FloatFormat)]
+    float_formats = [f for f in [activation, weight, *tensor_precision.values()] if f.family.name == "float"]
     if kw["bf16_qdq_to_cast"] and not any(f.kind == "BF16" for f in float_formats):
         raise ConfigError(f"{W}['BF16QDQToCast']=True needs a BF16 type (ExtendedQuantType.QBFloat16) for "
                           "activations, weights or a MixedPrecisionTensor entry")
-    if kw["weight_scaled"] and not isinstance(weight, F.FloatFormat):
+    if kw["weight_scaled"] and weight.family.name != "float":
         raise ConfigError(f"{W}['WeightScaled']=True applies to BF16/FP16 weights only; weight_type is {weight.name}")
-    if kw["activation_scaled"] and not isinstance(activation, F.FloatFormat):
+    if kw["activation_scaled"] and activation.family.name != "float":
         raise ConfigError(f"{W}['ActivationScaled']=True applies to BF16/FP16 activations only; activation_type is "
                           f"{activation.name}")
     return _Parsed(kw, features, block_axes)
@@ -703,7 +703,7 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
     if update_bias and algo == "adaround":
         raise ConfigError(f"{where}['UpdateBias']=True is available only with OptimAlgorithm 'adaquant'")
     if algo == "adaround":
-        non_int = [f.name for f in [weight] if not isinstance(f, F.IntFormat)]
+        non_int = [f.name for f in [weight] if not f.family.integer_grid]
         if non_int:
             raise ConfigError(f"{where}: AdaRound learns the rounding of integer weights; weight_type is "
                               f"{non_int[0]}: use OptimAlgorithm 'adaquant' instead")

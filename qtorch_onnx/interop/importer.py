@@ -49,8 +49,8 @@ from onnx import helper, numpy_helper
 from ..errors import ModelError
 from ..formats import floating as _floating
 from ..formats import integer as _integer
-from ..formats.spec import BF16, FP16, BFPFormat, Format, IntFormat, MXFormat
-from ..placement import GraphInfo, Plan, QuantSpec, edge_key
+from ..formats.spec import BF16, FP16, INT_FORMAT_BY_ONNX_TYPE, BFPFormat, Format, MXFormat
+from ..placement import GraphInfo, Plan, QuantSpec
 
 __all__ = ["load_quantized", "ImportReport"]
 
@@ -62,8 +62,8 @@ _PAIRS = {("", "QuantizeLinear"): ("", "DequantizeLinear"),
 _DEQUANT = set(_PAIRS.values())
 _BLOCK = {("com.amd.quark", "BFPQuantizeDequantize"): "bfp", ("com.vai.quantize", "BFPFixNeuron"): "bfp",
           ("com.amd.quark", "MXQuantizeDequantize"): "mx", ("com.vai.quantize", "MXFixNeuron"): "mx"}
-_INT = {TP.INT8: IntFormat(8, True), TP.UINT8: IntFormat(8, False), TP.INT16: IntFormat(16, True),
-        TP.UINT16: IntFormat(16, False), TP.INT32: IntFormat(32, True), TP.UINT32: IntFormat(32, False)}
+#: integer Q/DQ types an imported model may use (4-bit Q/DQ is not imported yet: left as lifted ONNX ops)
+_INT = {t: f for t, f in INT_FORMAT_BY_ONNX_TYPE.items() if f.bits >= 8}
 _BIAS_SLOT = {"Conv": 2, "ConvTranspose": 2, "Gemm": 2}
 
 
@@ -276,7 +276,7 @@ class _Finder:
         if axis == -1:
             return None
         q = _array(q_init)
-        if isinstance(fmt, IntFormat):
+        if fmt.family.integer_grid:
             value = _integer.dequantize(torch.from_numpy(np.asarray(q).astype(np.int64)), torch.from_numpy(scale),
                                         None if zp is None else torch.from_numpy(np.asarray(zp).astype(np.int64)),
                                         axis).numpy()
@@ -348,13 +348,13 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
 
     def setup(fq, spec):
         f = by_key[spec.key]
-        if f.scale is not None and (isinstance(f.fmt, IntFormat) or f.scaled):
+        if f.scale is not None and (f.fmt.family.integer_grid or f.scaled):
             zp = None if f.zero_point is None else torch.from_numpy(np.asarray(f.zero_point).astype(np.int64))
             fq.set_qparams(torch.from_numpy(np.asarray(f.scale, dtype=np.float32)), zp)
         fq.calibrated = True
         if fq.fmt in (BF16, FP16):
             fq.float_form = "qdq"
-        if isinstance(f.fmt, IntFormat) and f.domain in ("", "com.microsoft"):
+        if f.fmt.family.integer_grid and f.domain in ("", "com.microsoft"):
             fq.qdq_domain = f.domain
         fq.weight_storage = "float" if f.kind == "pair" else "quantized"
         if f.scale is not None:
@@ -466,13 +466,13 @@ def _float_model(model: onnx.ModelProto, found: List[_Found], finder: _Finder, r
             t = f.outputs[0]
             new_inits.append(numpy_helper.from_array(np.ascontiguousarray(f.weight_value, dtype=np.float32), t))
             drop_inits.add(f.input)
-            role = "bias" if _is_bias(t, readers) and isinstance(f.fmt, IntFormat) and f.fmt.bits == 32 else "weight"
+            role = "bias" if _is_bias(t, readers) and f.fmt.family.integer_grid and f.fmt.bits == 32 else "weight"
             specs.append(_spec(t, f, role))
             params[(t, None)] = f
             continue
         src = out_of[f.input].input if chained else f.input
         role = "weight" if src in inits else "activation"
-        if role == "weight" and _is_bias(f.outputs[0], readers) and isinstance(f.fmt, IntFormat) and f.fmt.bits == 32:
+        if role == "weight" and _is_bias(f.outputs[0], readers) and f.fmt.family.integer_grid and f.fmt.bits == 32:
             role = "bias"
         if consumers is None:
             target = src

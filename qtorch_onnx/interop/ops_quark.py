@@ -21,14 +21,13 @@ from torch import nn
 
 from ..formats import floating as _floating
 from ..formats import integer as _integer
-from ..formats.spec import IntFormat
+from ..formats.spec import INT_FORMAT_BY_ONNX_TYPE
 from ..lift.ops_common import TP, ConversionNotSupported, OnnxGraph, OnnxNode, OnnxToTorchModule, attr, elem_type, \
     register_converter, result
 
 DOMAINS = ("com.amd.quark", "com.vai.quantize")
 #: integer zero-point element type -> IntFormat
-INT_TYPES = {TP.INT8: IntFormat(8, True), TP.UINT8: IntFormat(8, False), TP.INT16: IntFormat(16, True),
-             TP.UINT16: IntFormat(16, False), TP.INT32: IntFormat(32, True), TP.UINT32: IntFormat(32, False)}
+INT_TYPES = {t: f for t, f in INT_FORMAT_BY_ONNX_TYPE.items() if f.bits >= 8}  # 4-bit: not a Quark target type
 #: torch dtype that carries each integer type in the lifted module (ops_quant's convention)
 _CARRIER = {TP.INT8: torch.int8, TP.UINT8: torch.uint8, TP.INT16: torch.int16, TP.UINT16: torch.uint16,
             TP.INT32: torch.int32, TP.UINT32: torch.uint32}
