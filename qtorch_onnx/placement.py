@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import onnx
@@ -48,6 +48,7 @@ import onnx
 from .config.internal import ResolvedConfig
 from .errors import ConfigError
 from .formats.spec import INT32, Format
+from .lift.tensor_map import ModelInfo
 
 #: Op types quantized by default (ONNX Runtime's QDQ registry plus Quark's additions).
 DEFAULT_OP_TYPES = frozenset(
@@ -140,7 +141,7 @@ def _activation_overrides(t: str, entries: list) -> Tuple[Tuple[str, object], ..
     return tuple((k, entry[k]) for k in ("scale", "zero_point", "rmin", "rmax") if k in entry)
 
 
-def _weight_overrides(t: str, entries: list, info: "GraphInfo", cfg: ResolvedConfig
+def _weight_overrides(t: str, entries: list, info: ModelInfo, cfg: ResolvedConfig
                       ) -> Tuple[Optional[int], Tuple[Tuple[str, object], ...]]:
     """``(axis, overrides)`` of an initializer's TensorQuantOverrides (ONNX Runtime's semantics): one dict without
     ``axis`` is per tensor; a list whose first dict has ``axis`` is per channel along it, with one dict applied
@@ -192,7 +193,7 @@ def _weight_overrides(t: str, entries: list, info: "GraphInfo", cfg: ResolvedCon
     return axis, tuple(fixed) + flags
 
 
-def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: "GraphInfo") -> Dict[str, "QuantSpec"]:
+def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: ModelInfo) -> Dict[str, "QuantSpec"]:
     """Consumer-side quantizers for ONNX Runtime's ``convert`` override: each node of ``recv_nodes`` (default:
     every reader of ``t``) reads ``t`` quantized with its own type, then with ``convert['quant_type']``
     (Q/DQ of the first type, then Q/DQ of the second, before that node only).
@@ -200,7 +201,7 @@ def _convert_specs(t: str, conv: dict, own: "QuantSpec", info: "GraphInfo") -> D
     Raises:
         ConfigError: a recv node that does not read ``t``.
     """
-    readers = info.consumers.get(t, [])
+    readers = info.reads.get(t, [])
     recv = list(conv.get("recv_nodes") or readers)
     bad = [n for n in recv if n not in readers]
     if bad:
@@ -220,63 +221,13 @@ def edge_key(tensor: str, consumer: str) -> str:
 
 
 @dataclass
-class GraphInfo:
-    """Producer/consumer index of an ONNX graph (main graph only)."""
-
-    model: onnx.ModelProto
-    nodes: Dict[str, onnx.NodeProto] = field(default_factory=dict)
-    producer: Dict[str, str] = field(default_factory=dict)
-    consumers: Dict[str, List[str]] = field(default_factory=dict)
-    initializers: Dict[str, onnx.TensorProto] = field(default_factory=dict)
-    elem_type: Dict[str, int] = field(default_factory=dict)
-    shape: Dict[str, Optional[Tuple]] = field(default_factory=dict)
-    graph_inputs: List[str] = field(default_factory=list)
-    graph_outputs: List[str] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, model: onnx.ModelProto) -> "GraphInfo":
-        g = model.graph
-        info = cls(model=model)
-        info.initializers = {t.name: t for t in g.initializer}
-        for vi in list(g.input) + list(g.output) + list(g.value_info):
-            tt = vi.type.tensor_type
-            if vi.type.HasField("tensor_type"):
-                info.elem_type[vi.name] = tt.elem_type
-                if tt.HasField("shape"):
-                    info.shape[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
-        for t in g.initializer:
-            info.elem_type[t.name] = t.data_type
-            info.shape[t.name] = tuple(t.dims)
-        info.graph_inputs = [i.name for i in g.input if i.name not in info.initializers]
-        info.graph_outputs = [o.name for o in g.output]
-        for n in g.node:
-            info.nodes[n.name] = n
-            for o in n.output:
-                if o:
-                    info.producer[o] = n.name
-            for i in n.input:
-                if i:
-                    info.consumers.setdefault(i, []).append(n.name)
-        return info
-
-    def is_float(self, tensor: str) -> bool:
-        return self.elem_type.get(tensor) == FLOAT
-
-    def all_tensors(self) -> List[str]:
-        names = list(self.graph_inputs) + list(self.initializers)
-        for n in self.nodes.values():
-            names.extend(o for o in n.output if o)
-        return names
-
-
-@dataclass
 class Plan:
     """The quantizers of a model: ``specs[key] -> QuantSpec`` (``QuantSpec.key``: the tensor name for a
     tensor's own quantizer, :func:`edge_key` for a consumer-side one). Own quantizers come first, in graph
     order, then the consumer-side ones."""
 
     specs: Dict[str, QuantSpec]
-    info: GraphInfo
+    info: ModelInfo
 
     def counts(self) -> Dict[str, int]:
         """Number of quantizers per ``"<format> <role>"`` (consumer-side ones: ``"<format> <role> (consumer-side)"``)."""
@@ -299,7 +250,7 @@ def _weight_axis(node: onnx.NodeProto, slot: int, ndim: int) -> int:
     return 0
 
 
-def _reachable(info: GraphInfo, starts: List[str], downstream: bool) -> set:
+def _reachable(info: ModelInfo, starts: List[str], downstream: bool) -> set:
     seen = set()
     stack = list(starts)
     while stack:
@@ -307,10 +258,10 @@ def _reachable(info: GraphInfo, starts: List[str], downstream: bool) -> set:
         if name in seen:
             continue
         seen.add(name)
-        node = info.nodes[name]
+        node = info.node_protos[name]
         if downstream:
             for o in node.output:
-                stack.extend(info.consumers.get(o, []))
+                stack.extend(info.reads.get(o, []))
         else:
             for i in node.input:
                 if i in info.producer:
@@ -335,7 +286,7 @@ def _check_names(kind: str, names, valid, what: str, aliases: Optional[Mapping[s
 
 
 def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
-                      aliases: Optional[Mapping[str, Optional[str]]] = None) -> Plan:
+                      aliases: Optional[Mapping[str, Optional[str]]] = None, info: Optional[ModelInfo] = None) -> Plan:
     """Decide the quantizer of every tensor.
 
     Args:
@@ -343,6 +294,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
         cfg: the resolved configuration.
         aliases: tensor names of the user's model that normalization / graph optimization removed -> the
             surviving tensor (``tensor_map.aliases``), for the error naming such a tensor in the config.
+        info: the graph index of ``model`` when the caller has one (the lifter's ``gm.tensor_map.graph``,
+            shared so the graph is indexed once); built here when None or when it indexes another model.
 
     Returns:
         A :class:`Plan`.
@@ -350,7 +303,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     Raises:
         ConfigError: a node or tensor name in the configuration is not in the model (lists near matches).
     """
-    info = GraphInfo.build(model)
+    if info is None or info.model is not model:
+        info = ModelInfo.from_model(model)
     node_names = list(info.nodes)
     for key, names in (("nodes_to_quantize", cfg.nodes_to_quantize), ("nodes_to_exclude", cfg.nodes_to_exclude),
                        ("input_nodes", cfg.input_nodes), ("output_nodes", cfg.output_nodes)):
@@ -393,11 +347,11 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     # FoldRelu: tensors between a foldable producer and its only consumer Relu stay float.
     folded = set()
     if cfg.fold_relu:
-        for n in info.nodes.values():
+        for n in info.node_protos.values():
             if n.op_type == "Relu" and in_scope(n):
                 t = n.input[0]
                 p = info.producer.get(t)
-                if p and info.nodes[p].op_type in FOLD_RELU_PRODUCERS and len(info.consumers.get(t, [])) == 1 \
+                if p and info.node_protos[p].op_type in FOLD_RELU_PRODUCERS and len(info.reads.get(t, [])) == 1 \
                         and t not in info.graph_outputs:
                     folded.add(t)
 
@@ -410,7 +364,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             if src not in specs:
                 continue
         for slot, t in enumerate(n.input):
-            if not t or not info.is_float(t) or t in folded:
+            if not t or not info.is_float32(t) or t in folded:
                 continue
             if data_inputs is not None and slot not in data_inputs:
                 continue
@@ -423,7 +377,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             else:
                 add(act_spec(t))
         for t in n.output:
-            if t and info.is_float(t) and t not in folded:
+            if t and info.is_float32(t) and t not in folded:
                 add(act_spec(t))
 
     amp = cfg.auto_mixprecision
@@ -434,7 +388,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     for t, fmt in cfg.tensor_precision.items():
         if t in specs:
             specs[t] = dataclasses.replace(specs[t], fmt=fmt, bias_of=None) if specs[t].role != "bias" else specs[t]
-        elif info.is_float(t):
+        elif info.is_float32(t):
             role = "weight" if t in info.initializers else "activation"
             specs[t] = QuantSpec(t, fmt, role, symmetric=cfg.activation_symmetric)
     if cfg.reduce_range:  # ONNX Runtime's reduce_range: integer weights computed for the 7-bit (15-bit) range
@@ -469,14 +423,14 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             continue
         if n.op_type in ("Relu", "Clip") and n.input and n.input[0] in specs and n.output[0] in specs:
             src = n.input[0]
-            if len(info.consumers.get(src, [])) == 1 and specs[src].role == "activation":
+            if len(info.reads.get(src, [])) == 1 and specs[src].role == "activation":
                 specs[src] = dataclasses.replace(specs[src], range_from=n.output[0])
         if n.op_type == "Softmax" and n.output[0] in specs:
             specs[n.output[0]] = dataclasses.replace(specs[n.output[0]], fixed_range=(0.0, 1.0))
         if cfg.align_concat and n.op_type == "Concat" and n.output[0] in specs:
             for t in n.input:
                 if t in specs and specs[t].role == "activation" and specs[t].fmt == specs[n.output[0]].fmt \
-                        and len(info.consumers.get(t, [])) == 1:
+                        and len(info.reads.get(t, [])) == 1:
                     specs[t] = dataclasses.replace(specs[t], share_with=n.output[0], range_from=None)
         if cfg.align_slice and n.op_type == "Slice" and n.input[0] in specs and n.output[0] in specs:
             if specs[n.output[0]].fmt == specs[n.input[0]].fmt:
@@ -500,7 +454,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     return Plan(specs=specs, info=info)
 
 
-def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: GraphInfo, cfg: ResolvedConfig, w_fmt: Format,
+def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: ModelInfo, cfg: ResolvedConfig, w_fmt: Format,
                       act_fmt: Format, integer_bias: bool) -> Optional[QuantSpec]:
     """Quantizer of float initializer ``t`` read by node ``n`` at input ``slot`` (module docstring): a bias
     (Conv/ConvTranspose/Gemm input 2) is INT32 with ``scale_x * scale_w`` when ``integer_bias``, else in
@@ -523,7 +477,7 @@ def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: GraphInfo, cfg
                      narrow_range=sym and fmt.family.integer_grid and fmt.signed, scaled=cfg.weight_scaled)
 
 
-def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
+def _layerwise(model: onnx.ModelProto, info: ModelInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
                in_scope, folded: set) -> Dict[str, QuantSpec]:
     """Layer-wise mixed precision (module docstring): updates ``specs`` (weights, biases, inputs read only by
     promoted nodes) in place and returns the consumer-side specs, keyed by :func:`edge_key`."""
@@ -545,7 +499,7 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
     for n in promoted:
         data_inputs = DATA_INPUTS.get(n.op_type)
         for slot, t in enumerate(n.input):
-            if not t or not info.is_float(t) or t in folded:
+            if not t or not info.is_float32(t) or t in folded:
                 continue
             if data_inputs is not None and slot not in data_inputs:
                 continue
@@ -555,7 +509,7 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
                     specs[t] = spec
                 continue
             own = specs.get(t)
-            readers = info.consumers.get(t, [])
+            readers = info.reads.get(t, [])
             boundary = any(r not in promoted_names for r in readers) or t in info.graph_outputs
             if own is not None and own.fmt == act_t:
                 continue  # already in the target format: no boundary
@@ -574,7 +528,7 @@ def _layerwise(model: onnx.ModelProto, info: GraphInfo, cfg: ResolvedConfig, spe
     return edges
 
 
-def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None, default: Optional[int] = None,
+def block_axis(info: ModelInfo, tensor: str, consumer: Optional[str] = None, default: Optional[int] = None,
                key: str = "BFPAttributes") -> int:
     """Block axis of a tensor for BFP/MX formats (docs/configuration.md extra_options, block formats).
 
@@ -587,13 +541,13 @@ def block_axis(info: GraphInfo, tensor: str, consumer: Optional[str] = None, def
     Raises:
         ConfigError: ``default`` is not an axis of the tensor (names ``key``, the tensor and its rank).
     """
-    shape = info.shape.get(tensor)
+    shape = info.shapes.get(tensor)
     ndim = len(shape) if shape is not None else 4
     if ndim <= 1:
         return 0
-    readers = [consumer] if consumer is not None else info.consumers.get(tensor, [])
+    readers = [consumer] if consumer is not None else info.reads.get(tensor, [])
     for cname in readers:
-        n = info.nodes[cname]
+        n = info.node_protos[cname]
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         if n.op_type == "MatMul":
             return ndim - 1 if n.input[0] == tensor else ndim - 2

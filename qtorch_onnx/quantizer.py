@@ -247,7 +247,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     cfg = resolve(config)
     gm, cle_report = lift_float(model, cfg)
     t_lift = time.perf_counter() - t0
-    plan = plan_quantization(gm.onnx_model, cfg, gm.tensor_map.aliases)
+    plan = plan_quantization(gm.onnx_model, cfg, gm.tensor_map.aliases, info=gm.tensor_map.graph)
     qm = attach_quantizers(gm, plan, cfg)
     qm.cle_report = cle_report
     qm.stage_times["lift"] = t_lift
@@ -283,6 +283,8 @@ def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig):
     from .algorithms.cle import cross_layer_equalization, replace_clip6_relu
 
     replaced = replace_clip6_relu(gm) if cfg.replace_clip6_relu else []
+    if replaced:  # the ONNX graph changed in place: index it again (placement reads the index)
+        gm.tensor_map.graph = gm.tensor_map.graph.rebuilt(gm.onnx_model)
     if cfg.cle is None:
         return None
     report = cross_layer_equalization(gm, cfg.cle)

@@ -460,7 +460,7 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
     """
     from .config.internal import ResolvedConfig  # noqa: F401  (allow-listed below)
     from .lift import lift
-    from .placement import GraphInfo, Plan
+    from .placement import Plan
     from .quantizer import attach_quantizers
 
     with open(os.fspath(path), "rb") as f:
@@ -488,7 +488,7 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
     gm = lift(proto, fold_batchnorm=True)
     make_trainable(gm)
     specs = {k: _spec_from_dict(d) for k, d in blob["specs"].items()}
-    plan = Plan(specs=specs, info=GraphInfo.build(gm.onnx_model))
+    plan = Plan(specs=specs, info=gm.tensor_map.graph)
     qm = attach_quantizers(gm, plan, cfg)
     fqs = qm.quantizers()
     missing = set(blob["quantizers"]) - set(fqs)

@@ -50,7 +50,7 @@ from ..errors import ModelError
 from ..formats import floating as _floating
 from ..formats import integer as _integer
 from ..formats.spec import BF16, FP16, INT_FORMAT_BY_ONNX_TYPE, BFPFormat, Format, MXFormat
-from ..placement import GraphInfo, Plan, QuantSpec
+from ..placement import Plan, QuantSpec
 
 __all__ = ["load_quantized", "ImportReport"]
 
@@ -328,7 +328,7 @@ def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=No
     gm = lift(float_model, fold_batchnorm=False)
     t_lift = time.perf_counter() - t0
     tm = gm.tensor_map
-    info = GraphInfo.build(gm.onnx_model)
+    info = gm.tensor_map.graph
     plan_specs: Dict[str, QuantSpec] = {}
     by_key: Dict[str, _Found] = {}
     for spec in specs:

@@ -1,8 +1,10 @@
 """Where every ONNX tensor lives in a lifted GraphModule, and what the ONNX graph looks like.
 
-* :class:`ModelInfo` (``gm.tensor_map.graph``): per ONNX node (op type, domain, inputs, outputs, the fx
-  module that runs it) and per ONNX tensor (elem type, shape, initializer?, producer, consumers) of the
-  normalized model. Pure ONNX; built by :meth:`ModelInfo.from_model`.
+* :class:`ModelInfo` (``gm.tensor_map.graph``): the one graph index of the project (issue 15 item 3): per
+  ONNX node (op type, domain, inputs, outputs, the fx module that runs it, its NodeProto) and per ONNX
+  tensor (elem type, shape, initializer?, producer, consumers, reads per input slot) of the normalized
+  model. Pure ONNX; built once by the lifter (:meth:`ModelInfo.from_model`) and read by placement
+  (``Plan.info``), ``qm.layers()`` / ``qm.quantizers()``, the algorithms and the importer.
 * :class:`TensorMap`: ONNX tensor name -> tuple of :class:`TensorRef` (an fx node, or a parameter/buffer
   inside a converted module), with the reverse lookups. Everything is stored by *name* (fx node names,
   qualified module paths), so fx nodes inserted later (fake quantizers) do not invalidate it; resolve
@@ -117,21 +119,66 @@ class NodeInfo:
 
 
 class ModelInfo:
-    """Structure of a (normalized) ONNX model: nodes and tensors by name, in graph order.
+    """Structure of a (normalized) ONNX model: nodes and tensors by name, in graph order; the one graph index
+    lift, placement, the algorithms and the importer share (main graph only; subgraphs have their own).
 
     Attributes:
         nodes: ordered mapping node name -> :class:`NodeInfo` (topological order).
         tensors: mapping tensor name -> :class:`TensorInfo` (graph inputs, initializers, node outputs).
         input_names / output_names: graph inputs (initializers excluded) and outputs, ONNX order.
         opsets: domain -> version of the model's opset imports (``""`` = ai.onnx).
+        model: the indexed ``onnx.ModelProto`` (referenced, never mutated here), or None.
+        node_protos: node name -> its ``onnx.NodeProto`` in ``model`` (placement reads attributes from it).
+        initializers: initializer name -> its ``onnx.TensorProto`` in ``model``.
+        producer: tensor name -> name of the node writing it (node outputs only).
+        reads: tensor name -> reader node names, one entry per input slot (a node reading a tensor at two
+            slots appears twice; ``TensorInfo.consumers`` lists it once). Placement's "only reader" rules
+            count reads.
+        elem_types / shapes: tensor name -> ``onnx.TensorProto`` element type / shape (``None`` for unknown
+            dims) wherever value info, inputs, outputs or initializers give one.
     """
 
-    def __init__(self, nodes, tensors, input_names, output_names, opsets):
+    def __init__(self, nodes, tensors, input_names, output_names, opsets, *, model: onnx.ModelProto | None = None,
+                 node_protos=None, initializers=None, producer=None, reads=None, elem_types=None, shapes=None):
         self.nodes: dict[str, NodeInfo] = dict(nodes)
         self.tensors: dict[str, TensorInfo] = dict(tensors)
         self.input_names: tuple[str, ...] = tuple(input_names)
         self.output_names: tuple[str, ...] = tuple(output_names)
         self.opsets: dict[str, int] = dict(opsets)
+        self.model = model
+        self.node_protos: dict[str, onnx.NodeProto] = dict(node_protos or {})
+        self.initializers: dict[str, onnx.TensorProto] = dict(initializers or {})
+        self.producer: dict[str, str] = dict(producer or {})
+        self.reads: dict[str, list[str]] = {k: list(v) for k, v in (reads or {}).items()}
+        self.elem_types: dict[str, int] = dict(elem_types or {})
+        self.shapes: dict[str, tuple | None] = dict(shapes or {})
+
+    @property
+    def graph_inputs(self) -> tuple[str, ...]:
+        """Graph inputs, initializers excluded (= ``input_names``)."""
+        return self.input_names
+
+    @property
+    def graph_outputs(self) -> tuple[str, ...]:
+        """Graph outputs (= ``output_names``)."""
+        return self.output_names
+
+    def is_float32(self, tensor: str) -> bool:
+        """True when ``tensor`` is float32 (the tensors placement puts quantizers on)."""
+        return self.elem_types.get(tensor) == onnx.TensorProto.FLOAT
+
+    def all_tensors(self) -> list[str]:
+        """Graph inputs, initializers and node outputs, in that order (graph order within each)."""
+        names = list(self.input_names) + list(self.initializers)
+        for n in self.nodes.values():
+            names.extend(o for o in n.outputs if o)
+        return names
+
+    def rebuilt(self, model: onnx.ModelProto | None = None) -> "ModelInfo":
+        """A fresh index of ``model`` (default: the indexed one, after an in-place rewrite), keeping the fx
+        module of every node that still exists."""
+        modules = {n: (i.module, i.fx_node) for n, i in self.nodes.items() if i.module is not None}
+        return ModelInfo.from_model(self.model if model is None else model, modules)
 
     @classmethod
     def from_model(cls, model: onnx.ModelProto, modules: Mapping[str, tuple[str, str]] | None = None) -> "ModelInfo":
@@ -150,6 +197,14 @@ class ModelInfo:
         input_names = [v.name for v in g.input if v.name not in init_names]
         output_names = [v.name for v in g.output]
         types: dict[str, tuple[int, tuple | None]] = {}
+        elem_types: dict[str, int] = {}
+        shapes: dict[str, tuple | None] = {}
+        for vi in list(g.input) + list(g.output) + list(g.value_info):  # the last one given wins
+            if vi.type.HasField("tensor_type"):
+                tt = vi.type.tensor_type
+                elem_types[vi.name] = tt.elem_type
+                if tt.HasField("shape"):
+                    shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
         for vi in list(g.value_info) + list(g.input) + list(g.output):
             tt = vi.type.tensor_type
             shape = (tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
@@ -159,8 +214,12 @@ class ModelInfo:
                 types[vi.name] = (tt.elem_type, shape)
         for t in g.initializer:
             types[t.name] = (t.data_type, tuple(t.dims))
+            elem_types[t.name] = t.data_type
+            shapes[t.name] = tuple(t.dims)
         producer: dict[str, str] = {}
         consumers: dict[str, list[str]] = {}
+        reads: dict[str, list[str]] = {}
+        node_protos: dict[str, onnx.NodeProto] = {}
         nodes: dict[str, NodeInfo] = {}
         modules = modules or {}
         for node in g.node:
@@ -174,9 +233,13 @@ class ModelInfo:
             domain = "" if node.domain == "ai.onnx" else node.domain
             nodes[node.name] = NodeInfo(node.name, node.op_type, domain, opsets.get(domain, 0), tuple(node.input),
                                         tuple(node.output), attrs, mod, fxn)
+            node_protos[node.name] = node
             for i in dict.fromkeys(node.input):
                 if i:
                     consumers.setdefault(i, []).append(node.name)
+            for i in node.input:
+                if i:
+                    reads.setdefault(i, []).append(node.name)
             for o in node.output:
                 if o:
                     producer[o] = node.name
@@ -187,7 +250,9 @@ class ModelInfo:
             et, shape = types.get(n, (0, None))
             tensors[n] = TensorInfo(n, et, shape, n in init_names, n in input_names, n in outs, producer.get(n),
                                     tuple(consumers.get(n, ())))
-        return cls(nodes, tensors, input_names, output_names, opsets)
+        return cls(nodes, tensors, input_names, output_names, opsets, model=model, node_protos=node_protos,
+                   initializers={t.name: t for t in g.initializer}, producer=producer, reads=reads,
+                   elem_types=elem_types, shapes=shapes)
 
     def float_tensors(self) -> list[str]:
         """Names of all float-typed tensors (activations and initializers), graph order."""

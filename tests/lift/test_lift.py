@@ -253,3 +253,30 @@ def test_conv_after_unknown_rank_reshape_gets_its_rank():
     assert len(gm.tensor_map.graph.tensors["c"].shape) == 4
     feeds = {"x": _rand(8, 4), "s": np.array([1, 2, 4, 4], np.int64)}
     assert rel_l2(run_ort(m, feeds)[0], run_gm(gm, feeds)[0]) < 1e-6
+
+
+def test_one_graph_index_shared_by_lift_and_placement():
+    """The lifter's ModelInfo is the index placement, qm.plan and the importer read (issue 15 item 3): built
+    once, reads counted per input slot, producer / initializer / NodeProto views of the lifted ONNX model."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    import qtorch_onnx as qo
+
+    w = numpy_helper.from_array(np.ones((3, 3, 1, 1), np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+         helper.make_node("Mul", ["c", "c"], ["y"], name="square")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    qm = qo.prepare(model, "A8W8")
+    info: ModelInfo = qm.tensor_map.graph
+    assert qm.plan.info is info and info.model is qm.onnx_model
+    assert info.reads["c"] == ["square", "square"] and info.tensors["c"].consumers == ("square",)
+    assert info.producer["y"] == "square" and info.node_protos["conv"].op_type == "Conv"
+    assert set(info.initializers) == {"w"} and info.is_float32("x") and info.shapes["w"] == (3, 3, 1, 1)
+    assert info.all_tensors()[:2] == ["x", "w"]
+    assert isinstance(info.rebuilt(), ModelInfo) and info.rebuilt().reads == info.reads
+    onnx.checker.check_model(model)  # the user's model is untouched
