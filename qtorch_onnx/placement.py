@@ -158,8 +158,8 @@ def _weight_overrides(t: str, entries: list, info: ModelInfo, cfg: ResolvedConfi
     if any("convert" in e for e in entries):
         raise _override_error(t, "'convert' applies to activations only, as in ONNX Runtime; this tensor is an "
                                  "initializer")
-    reduce = bool(first.get("reduce_range", cfg.reduce_range))
-    if reduce and cfg.power_of_two:
+    reduce = bool(first.get("reduce_range", cfg.placement.reduce_range))
+    if reduce and cfg.calibration.power_of_two:
         raise _override_error(t, "'reduce_range' cannot be combined with power-of-two scales (XINT8 / "
                                  "enable_npu_cnn): there is no reduced power-of-two rule")
     flags: Tuple[Tuple[str, object], ...] = (("reduce_range", True),) if reduce else ()
@@ -306,8 +306,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
     if info is None or info.model is not model:
         info = ModelInfo.from_model(model)
     node_names = list(info.nodes)
-    for key, names in (("nodes_to_quantize", cfg.nodes_to_quantize), ("nodes_to_exclude", cfg.nodes_to_exclude),
-                       ("input_nodes", cfg.input_nodes), ("output_nodes", cfg.output_nodes)):
+    for key, names in (("nodes_to_quantize", cfg.placement.nodes_to_quantize), ("nodes_to_exclude", cfg.placement.nodes_to_exclude),
+                       ("input_nodes", cfg.placement.input_nodes), ("output_nodes", cfg.placement.output_nodes)):
         _check_names(key, names, node_names, "a node")
     tensor_names = info.all_tensors()
     _check_names("MixedPrecisionTensor", list(cfg.tensor_precision), tensor_names, "a tensor", aliases)
@@ -315,30 +315,30 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
 
     act_fmt, w_fmt = cfg.activation, cfg.weight
     float_formats = "float" in (act_fmt.family.name, w_fmt.family.name)  # BF16/FP16 quantize every op type
-    all_ops = cfg.quantize_all_op_types or float_formats
-    op_types = set(cfg.op_types_to_quantize) if cfg.op_types_to_quantize else set(DEFAULT_OP_TYPES)
+    all_ops = cfg.placement.quantize_all_op_types or float_formats
+    op_types = set(cfg.placement.op_types_to_quantize) if cfg.placement.op_types_to_quantize else set(DEFAULT_OP_TYPES)
 
-    excluded = set(cfg.nodes_to_exclude)
-    for starts, ends in cfg.subgraphs_to_exclude:
+    excluded = set(cfg.placement.nodes_to_exclude)
+    for starts, ends in cfg.placement.subgraphs_to_exclude:
         _check_names("subgraphs_to_exclude", list(starts) + list(ends), node_names, "a node")
         excluded |= _reachable(info, list(starts), True) & _reachable(info, list(ends), False)
-    if cfg.input_nodes:
-        excluded |= set(node_names) - _reachable(info, list(cfg.input_nodes), True)
-    if cfg.output_nodes:
-        excluded |= set(node_names) - _reachable(info, list(cfg.output_nodes), False)
+    if cfg.placement.input_nodes:
+        excluded |= set(node_names) - _reachable(info, list(cfg.placement.input_nodes), True)
+    if cfg.placement.output_nodes:
+        excluded |= set(node_names) - _reachable(info, list(cfg.placement.output_nodes), False)
 
     def in_scope(n: onnx.NodeProto) -> bool:
         if n.name in excluded or n.domain not in ("", "ai.onnx"):
             return False
-        if cfg.nodes_to_quantize and n.name not in cfg.nodes_to_quantize:
+        if cfg.placement.nodes_to_quantize and n.name not in cfg.placement.nodes_to_quantize:
             return False
         return all_ops or n.op_type in op_types
 
-    integer_bias = cfg.int32_bias and act_fmt.family.integer_grid and w_fmt.family.integer_grid
+    integer_bias = cfg.placement.int32_bias and act_fmt.family.integer_grid and w_fmt.family.integer_grid
     specs: Dict[str, QuantSpec] = {}
 
     def act_spec(t: str) -> QuantSpec:
-        return QuantSpec(t, act_fmt, "activation", None, cfg.activation_symmetric, False, cfg.activation_scaled)
+        return QuantSpec(t, act_fmt, "activation", None, cfg.placement.activation_symmetric, False, cfg.floats.activation_scaled)
 
     def add(spec: QuantSpec) -> None:
         if spec.tensor not in specs:
@@ -346,7 +346,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
 
     # FoldRelu: tensors between a foldable producer and its only consumer Relu stay float.
     folded = set()
-    if cfg.fold_relu:
+    if cfg.placement.fold_relu:
         for n in info.node_protos.values():
             if n.op_type == "Relu" and in_scope(n):
                 t = n.input[0]
@@ -359,7 +359,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
         if not in_scope(n):
             continue
         data_inputs = DATA_INPUTS.get(n.op_type)
-        if n.op_type in DIRECT_OP_TYPES and not cfg.force_quantize_no_input_check and not float_formats:
+        if n.op_type in DIRECT_OP_TYPES and not cfg.placement.force_quantize_no_input_check and not float_formats:
             src = n.input[0] if n.input else ""
             if src not in specs:
                 continue
@@ -390,9 +390,9 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             specs[t] = dataclasses.replace(specs[t], fmt=fmt, bias_of=None) if specs[t].role != "bias" else specs[t]
         elif info.is_float32(t):
             role = "weight" if t in info.initializers else "activation"
-            specs[t] = QuantSpec(t, fmt, role, symmetric=cfg.activation_symmetric)
-    if cfg.reduce_range:  # ONNX Runtime's reduce_range: integer weights computed for the 7-bit (15-bit) range
-        if cfg.power_of_two:
+            specs[t] = QuantSpec(t, fmt, role, symmetric=cfg.placement.activation_symmetric)
+    if cfg.placement.reduce_range:  # ONNX Runtime's reduce_range: integer weights computed for the 7-bit (15-bit) range
+        if cfg.calibration.power_of_two:
             raise ConfigError("reduce_range=True cannot be combined with power-of-two scales (XINT8 / "
                               "enable_npu_cnn): there is no reduced power-of-two rule")
         for t, sp in list(specs.items()):
@@ -403,7 +403,7 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
         entry = dict(entries[0])
         is_init = t in info.initializers
         base = specs.get(t) or QuantSpec(t, act_fmt, "weight" if is_init else "activation",
-                                         symmetric=cfg.activation_symmetric)
+                                         symmetric=cfg.placement.activation_symmetric)
         changes: Dict[str, object] = {}
         if "quant_type" in entry:
             changes["fmt"] = entry["quant_type"]
@@ -427,12 +427,12 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
                 specs[src] = dataclasses.replace(specs[src], range_from=n.output[0])
         if n.op_type == "Softmax" and n.output[0] in specs:
             specs[n.output[0]] = dataclasses.replace(specs[n.output[0]], fixed_range=(0.0, 1.0))
-        if cfg.align_concat and n.op_type == "Concat" and n.output[0] in specs:
+        if cfg.placement.align_concat and n.op_type == "Concat" and n.output[0] in specs:
             for t in n.input:
                 if t in specs and specs[t].role == "activation" and specs[t].fmt == specs[n.output[0]].fmt \
                         and len(info.reads.get(t, [])) == 1:
                     specs[t] = dataclasses.replace(specs[t], share_with=n.output[0], range_from=None)
-        if cfg.align_slice and n.op_type == "Slice" and n.input[0] in specs and n.output[0] in specs:
+        if cfg.placement.align_slice and n.op_type == "Slice" and n.input[0] in specs and n.output[0] in specs:
             if specs[n.output[0]].fmt == specs[n.input[0]].fmt:
                 specs[n.output[0]] = dataclasses.replace(specs[n.output[0]], share_with=n.input[0])
     # a bias whose activation or weight lost its integer quantizer falls back to the weight format
@@ -441,8 +441,8 @@ def plan_quantization(model: onnx.ModelProto, cfg: ResolvedConfig,
             x, w = s.bias_of
             if not (x in specs and w in specs and specs[x].fmt.family.integer_grid
                     and specs[w].fmt.family.integer_grid):
-                specs[t] = QuantSpec(t, w_fmt, "weight", symmetric=cfg.weight_symmetric,
-                                     narrow_range=cfg.weight_symmetric and w_fmt.family.integer_grid)
+                specs[t] = QuantSpec(t, w_fmt, "weight", symmetric=cfg.placement.weight_symmetric,
+                                     narrow_range=cfg.placement.weight_symmetric and w_fmt.family.integer_grid)
             else:  # per channel exactly when the weight is (TensorQuantOverrides may change that)
                 specs[t] = dataclasses.replace(s, axis=0 if specs[w].axis is not None else None)
     # block formats: the block axis follows the reduction axis (docs/configuration.md)
@@ -461,20 +461,20 @@ def _initializer_spec(n: onnx.NodeProto, slot: int, t: str, info: ModelInfo, cfg
     ``w_fmt``, or None when biases are not quantized; other initializers are weights in ``w_fmt`` (``act_fmt``
     for element-wise ops under AlignEltwiseQuantType), per output channel when configured."""
     if n.op_type in ("Conv", "ConvTranspose", "Gemm") and slot == 2:
-        if not cfg.quantize_bias:
+        if not cfg.placement.quantize_bias:
             return None
         if integer_bias:
             return QuantSpec(t, INT32, "bias", axis=None, symmetric=True, bias_of=(n.input[0], n.input[1]))
-        return QuantSpec(t, w_fmt, "weight", axis=None, symmetric=cfg.weight_symmetric,
-                         narrow_range=cfg.weight_symmetric, scaled=cfg.weight_scaled)
+        return QuantSpec(t, w_fmt, "weight", axis=None, symmetric=cfg.placement.weight_symmetric,
+                         narrow_range=cfg.placement.weight_symmetric, scaled=cfg.floats.weight_scaled)
     dims = tuple(info.initializers[t].dims)
-    fmt = act_fmt if cfg.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS else w_fmt
+    fmt = act_fmt if cfg.placement.align_eltwise_quant_type and n.op_type in ELEMENTWISE_OPS else w_fmt
     axis = None
-    if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.per_channel and fmt.family.integer_grid:
+    if n.op_type in WEIGHT_OPS and slot == 1 and len(dims) >= 2 and cfg.placement.per_channel and fmt.family.integer_grid:
         axis = _weight_axis(n, slot, len(dims))
-    sym = cfg.weight_symmetric if fmt == w_fmt else cfg.activation_symmetric
+    sym = cfg.placement.weight_symmetric if fmt == w_fmt else cfg.placement.activation_symmetric
     return QuantSpec(t, fmt, "weight", axis=axis, symmetric=sym,
-                     narrow_range=sym and fmt.family.integer_grid and fmt.signed, scaled=cfg.weight_scaled)
+                     narrow_range=sym and fmt.family.integer_grid and fmt.signed, scaled=cfg.floats.weight_scaled)
 
 
 def _layerwise(model: onnx.ModelProto, info: ModelInfo, cfg: ResolvedConfig, specs: Dict[str, QuantSpec],
@@ -490,11 +490,11 @@ def _layerwise(model: onnx.ModelProto, info: ModelInfo, cfg: ResolvedConfig, spe
     promoted = [n for n in model.graph.node if n.op_type in target_ops and in_scope(n)
                 and (chosen is None or n.name in chosen)]
     promoted_names = {n.name for n in promoted}
-    int_bias = cfg.int32_bias and act_t.family.integer_grid and w_t.family.integer_grid
+    int_bias = cfg.placement.int32_bias and act_t.family.integer_grid and w_t.family.integer_grid
     edges: Dict[str, QuantSpec] = {}
 
     def act(t: str, **kw) -> QuantSpec:
-        return QuantSpec(t, act_t, "activation", None, cfg.activation_symmetric, False, cfg.activation_scaled, **kw)
+        return QuantSpec(t, act_t, "activation", None, cfg.placement.activation_symmetric, False, cfg.floats.activation_scaled, **kw)
 
     for n in promoted:
         data_inputs = DATA_INPUTS.get(n.op_type)

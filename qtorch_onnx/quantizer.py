@@ -177,16 +177,16 @@ def _observer_for(spec: QuantSpec, cfg: ResolvedConfig):
     from .observers import make_observer
 
     fam = spec.fmt.family
-    if fam.integer_grid and cfg.power_of_two:
-        return make_observer(cfg.calibrate_method, name=spec.tensor, fmt=spec.fmt, symmetric=spec.symmetric)
-    method = cfg.calibrate_method
+    if fam.integer_grid and cfg.calibration.power_of_two:
+        return make_observer(cfg.calibration.method, name=spec.tensor, fmt=spec.fmt, symmetric=spec.symmetric)
+    method = cfg.calibration.method
     opts: Dict[str, Any] = {"name": spec.tensor}
     if method == "MinMax":
-        opts.update(moving_average=cfg.moving_average, averaging_constant=cfg.moving_average_constant)
+        opts.update(moving_average=cfg.calibration.moving_average, averaging_constant=cfg.calibration.moving_average_constant)
     elif method == "Percentile":
-        opts.update(percentile=cfg.percentile, num_bins=cfg.num_bins)
+        opts.update(percentile=cfg.calibration.percentile, num_bins=cfg.calibration.num_bins)
     elif method in ("Entropy", "Distribution"):
-        opts.update(num_bins=cfg.num_bins)
+        opts.update(num_bins=cfg.calibration.num_bins)
     if not fam.integer_grid:  # scaled BF16/FP16 take a plain range
         opts = {"name": spec.tensor}
         method = "MinMax"
@@ -197,9 +197,9 @@ def _weight_method(spec: QuantSpec, cfg: ResolvedConfig) -> Tuple[str, Dict[str,
     """``(observer method, options)`` for an integer weight under Quark's WeightCalibrateMethod: Percentile
     with the configuration's Percentile / NumBins; MinMSE and NonOverflow (PowerOfTwoMethod) with the weight's
     format and symmetry (power-of-two scales)."""
-    method = cfg.weight_calibrate_method
+    method = cfg.calibration.weight_method
     if method == "Percentile":
-        return method, {"percentile": cfg.percentile, "num_bins": cfg.num_bins}
+        return method, {"percentile": cfg.calibration.percentile, "num_bins": cfg.calibration.num_bins}
     return method, {"fmt": spec.fmt, "symmetric": spec.symmetric}
 
 
@@ -259,7 +259,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
 
 def lift_float(model: ModelLike, cfg: ResolvedConfig):
     """The float model every quantized build starts from: loaded, normalized (BatchNormalization folded),
-    graph-optimized when ``cfg.optimize_model`` (:mod:`qtorch_onnx.lift.fusion`), lifted, its float
+    graph-optimized when ``cfg.graph.optimize_model`` (:mod:`qtorch_onnx.lift.fusion`), lifted, its float
     initializers made parameters, then :func:`float_rewrites`. Returns ``(gm, cle_report)``; the fusion
     report is ``gm.fusion_report``.
 
@@ -269,7 +269,7 @@ def lift_float(model: ModelLike, cfg: ResolvedConfig):
     from .lift import lift, load_model
     from .training import make_trainable
 
-    gm = lift(load_model(model), fold_batchnorm=True, optimize=cfg.optimize_model)
+    gm = lift(load_model(model), fold_batchnorm=True, optimize=cfg.graph.optimize_model)
     make_trainable(gm)
     return gm, float_rewrites(gm, cfg)
 
@@ -278,11 +278,11 @@ def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig):
     """The float-model transforms the configuration asks for before placement, in place on the lifted model:
     ReplaceClip6Relu, then cross-layer equalization (include_cle). Returns the
     :class:`~qtorch_onnx.algorithms.cle.CLEReport` (None without CLE)."""
-    if not (cfg.replace_clip6_relu or cfg.cle is not None):
+    if not (cfg.graph.replace_clip6_relu or cfg.cle is not None):
         return None
     from .algorithms.cle import cross_layer_equalization, replace_clip6_relu
 
-    replaced = replace_clip6_relu(gm) if cfg.replace_clip6_relu else []
+    replaced = replace_clip6_relu(gm) if cfg.graph.replace_clip6_relu else []
     if replaced:  # the ONNX graph changed in place: index it again (placement reads the index)
         gm.tensor_map.graph = gm.tensor_map.graph.rebuilt(gm.onnx_model)
     if cfg.cle is None:
@@ -342,18 +342,18 @@ def attach_quantizers(gm: torch.fx.GraphModule, plan: Plan, cfg: ResolvedConfig,
             torch_axis = list(param_refs[0].perm).index(spec.axis)
         fq = FakeQuantize(spec.fmt, tensor_name=tensor, role=spec.role, axis=torch_axis, onnx_axis=spec.axis,
                           symmetric=spec.symmetric, narrow_range=spec.narrow_range, observer=observer, scaled=spec.scaled,
-                          power_of_two=cfg.power_of_two and fam.integer_grid, consumer=spec.consumer,
+                          power_of_two=cfg.calibration.power_of_two and fam.integer_grid, consumer=spec.consumer,
                           chained=spec.chained)
         if fam.name == "float":
             # BF16: Q/DQ form unless BF16QDQToCast; FP16: Q/DQ form unless scaled (Quark's FP16 Q/DQ
             # ignores the scale, so a scaled FP16 quantizer is written in the Cast form)
-            cast = cfg.bf16_qdq_to_cast if spec.fmt.kind == "BF16" else spec.scaled
+            cast = cfg.floats.bf16_qdq_to_cast if spec.fmt.kind == "BF16" else spec.scaled
             fq.float_form = "cast" if cast else "qdq"
         if spec.role == "weight" or (spec.role == "bias" and spec.bias_of is None):
             if spec.overrides:  # TensorQuantOverrides on an initializer: pinned into every qparams computation
                 fq.qparam_overrides = dict(spec.overrides)
-            if spec.role == "weight" and fam.integer_grid and cfg.weight_calibrate_method != "MinMax" \
-                    and not (cfg.weight_calibrate_method == "NonOverflow" and cfg.power_of_two):  # that is min/max
+            if spec.role == "weight" and fam.integer_grid and cfg.calibration.weight_method != "MinMax" \
+                    and not (cfg.calibration.weight_method == "NonOverflow" and cfg.calibration.power_of_two):  # that is min/max
                 fq.weight_method = _weight_method(spec, cfg)
             if tensor in plan.info.initializers:
                 _weight_qparams(fq, _initializer_value(plan.info, tensor), spec.axis)
@@ -513,7 +513,7 @@ def finalize_qparams(qm: QuantizedModel, skip=()) -> None:
         if spec.fixed_range is not None:
             fq.compute_qparams_from_range(torch.tensor(spec.fixed_range[0], dtype=torch.float64),
                                           torch.tensor(spec.fixed_range[1], dtype=torch.float64))
-        elif spec.range_from is not None and spec.range_from in ranges and not qm.config.power_of_two:
+        elif spec.range_from is not None and spec.range_from in ranges and not qm.config.calibration.power_of_two:
             fq.compute_qparams_from_range(*ranges[spec.range_from])
         elif fq.observer is not None:
             fq.finish_calibration()

@@ -481,7 +481,7 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
         from .lift import load_model, normalize_and_fuse
 
         given = load_model(model)
-        normalized, _, _ = normalize_and_fuse(given, fold_batchnorm=True, optimize=cfg.optimize_model)
+        normalized, _, _ = normalize_and_fuse(given, fold_batchnorm=True, optimize=cfg.graph.optimize_model)
         if _graph_digest(normalized) != blob["digest"] and _graph_digest(given) != blob["digest"]:
             raise ModelError(f"{os.fspath(path)!r} holds the state of a different ONNX graph than the model given "
                              f"(graph {given.graph.name!r}); load it without `model`, or save this model's own state")
@@ -608,7 +608,9 @@ def _unplain(v):
             return _fmt_from_dict(v["__format__"])
         if "__dataclass__" in v:
             cls = getattr(internal, v["__dataclass__"])
-            return cls(**{k: _unplain(x) for k, x in v["fields"].items()})
+            kw = {k: _unplain(x) for k, x in v["fields"].items()}
+            # ResolvedConfig: saved flat (before the per-concern groups) or grouped; from_flat takes both
+            return cls.from_flat(**kw) if cls is internal.ResolvedConfig else cls(**kw)
         if "__dict__" in v:
             return {_unplain(k): _unplain(x) for k, x in v["__dict__"]}
         if "__tuple__" in v:

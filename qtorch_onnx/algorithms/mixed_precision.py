@@ -916,7 +916,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     if verify:
         from ..runtime import check_providers
 
-        check_providers(cfg.execution_providers)  # before any work: the check at the end runs on them
+        check_providers(cfg.graph.execution_providers)  # before any work: the check at the end runs on them
     from ..lift import load_model
 
     proto = load_model(model)
@@ -1083,7 +1083,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         from ..export import export as _export
 
         t_verify = time.perf_counter()
-        eps = tuple(cfg.execution_providers)
+        eps = tuple(cfg.graph.execution_providers)
         ort_ref = _ort_outputs(proto, evals, output_index, eps)
         while k > 0:
             if cache[k][0] <= target:

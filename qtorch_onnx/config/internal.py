@@ -5,17 +5,93 @@ The Quark-compatible vocabulary (:mod:`qtorch_onnx.config.quark`) and the native
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from ..formats.spec import Format
+
+
+class _StrEnum(str, enum.Enum):
+    """A string-valued enum: compares equal to its value (``CalibMethod.MINMAX == "MinMax"``), prints and
+    formats as its value, and is saved as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def coerce(cls, value: Any, where: str):
+        """``value`` (a member or its value) as a member.
+
+        Raises:
+            ConfigError: not a member or a member's value (names ``where`` and the valid values).
+        """
+        from ..errors import ConfigError
+
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not one of {[m.value for m in cls]}") from None
+
+
+class CalibMethod(_StrEnum):
+    """Calibration method of activations (and weights under WeightCalibrateMethod), docs/configuration.md.
+    ``NONOVERFLOW`` and ``MINMSE`` give power-of-two scales."""
+
+    MINMAX = "MinMax"
+    ENTROPY = "Entropy"
+    PERCENTILE = "Percentile"
+    DISTRIBUTION = "Distribution"
+    NONOVERFLOW = "NonOverflow"
+    MINMSE = "MinMSE"
+
+
+class ExportFormat(_StrEnum):
+    """quant_format: ONNX Runtime's ``QDQ``, Quark's ``ExtendedQDQ`` (both written as Q/DQ nodes), or
+    ``QOperator`` (quantized operators; gated: not implemented in this version)."""
+
+    QDQ = "QDQ"
+    EXTENDED_QDQ = "ExtendedQDQ"
+    QOPERATOR = "QOperator"
+
+
+class OptimAlgorithm(_StrEnum):
+    """Fast finetune algorithm (FastFinetune OptimAlgorithm)."""
+
+    ADAROUND = "adaround"
+    ADAQUANT = "adaquant"
+
+
+class FrozenDict(dict):
+    """A read-only dict (the configuration's mappings): mutation raises TypeError; copy, pickle and
+    ``dict(...)`` work."""
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("the resolved configuration is frozen: build a new one (dataclasses.replace)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
+
+    def __copy__(self) -> "FrozenDict":
+        return self
+
+    def __deepcopy__(self, memo) -> "FrozenDict":
+        import copy
+
+        return FrozenDict({copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()})
 
 
 @dataclass(frozen=True)
 class FastFinetuneSettings:
     """``FastFinetune`` options (docs/configuration.md), defaults as Quark's."""
 
-    optim_algorithm: str = "adaround"
+    optim_algorithm: OptimAlgorithm = OptimAlgorithm.ADAROUND
     num_iterations: int = 1000
     learning_rate: float = 0.1
     batch_size: int = 1
@@ -37,6 +113,10 @@ class FastFinetuneSettings:
     log_period: int = 100  # show the loss every this many iterations
     mem_opt_level: int = 1  # cached activations: 0 on the device (host past a budget), 1 host memory, 2 disk
     output_index: int = 0  # model output the before/after report measures
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optim_algorithm",
+                           OptimAlgorithm.coerce(self.optim_algorithm, "FastFinetune OptimAlgorithm"))
 
 
 @dataclass(frozen=True)
@@ -81,33 +161,49 @@ class CLESettings:
 
 
 @dataclass(frozen=True)
-class ResolvedConfig:
-    """Everything placement, calibration and export need, typed.
+class CalibrationSettings:
+    """How ranges are found (docs/configuration.md "Calibration").
 
-    Format fields hold :mod:`qtorch_onnx.formats.spec` objects. Tuple-of-names fields are ONNX node or
-    tensor names. ``calibrate_method`` is one of ``"MinMax" | "Entropy" | "Percentile" | "Distribution" |
-    "NonOverflow" | "MinMSE"``; the last two give power-of-two scales (``power_of_two`` is True).
+    Attributes:
+        method: activations' calibration method; NonOverflow / MinMSE give power-of-two scales.
+        power_of_two: integer scales are powers of two (PowerOfTwoMethod, XINT8).
+        percentile: Percentile's percentile, in percent (0, 100].
+        num_bins: histogram bins of Percentile / Entropy / Distribution.
+        moving_average / moving_average_constant: MinMax with an exponential moving average of batch ranges.
+        weight_method: WeightCalibrateMethod of integer weights (MinMax: their min / max).
     """
 
-    activation: Format
-    weight: Format
-    activation_symmetric: bool = True
-    weight_symmetric: bool = True
-    per_channel: bool = False
-    reduce_range: bool = False
-    calibrate_method: str = "MinMax"
+    method: CalibMethod = CalibMethod.MINMAX
     power_of_two: bool = False
     percentile: float = 99.999
     num_bins: int = 2048
     moving_average: bool = False
     moving_average_constant: float = 0.01
-    weight_calibrate_method: str = "MinMax"
-    # placement
-    op_types_to_quantize: tuple = ()  # empty: the default op set
+    weight_method: CalibMethod = CalibMethod.MINMAX
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", CalibMethod.coerce(self.method, "calibrate_method"))
+        object.__setattr__(self, "weight_method", CalibMethod.coerce(self.weight_method, "WeightCalibrateMethod"))
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """Where quantizers go and how integer ranges are shaped (docs/configuration.md "What gets quantized").
+
+    Tuple-of-names fields are ONNX node names; ``subgraphs_to_exclude`` holds ``((start names), (end names))``
+    pairs; ``op_types_to_quantize`` empty means the default op set, ``nodes_to_quantize`` empty every node of
+    those op types.
+    """
+
+    activation_symmetric: bool = True
+    weight_symmetric: bool = True
+    per_channel: bool = False
+    reduce_range: bool = False
+    op_types_to_quantize: tuple = ()
     quantize_all_op_types: bool = False
-    nodes_to_quantize: tuple = ()  # empty: all nodes of the op types
+    nodes_to_quantize: tuple = ()
     nodes_to_exclude: tuple = ()
-    subgraphs_to_exclude: tuple = ()  # ((start names...), (end names...)) pairs
+    subgraphs_to_exclude: tuple = ()
     input_nodes: tuple = ()
     output_nodes: tuple = ()
     fold_relu: bool = False
@@ -118,25 +214,132 @@ class ResolvedConfig:
     int32_bias: bool = True
     quantize_bias: bool = True
     adjust_bias_scale: bool = False
-    # BF16 / FP16
+
+
+@dataclass(frozen=True)
+class FloatSettings:
+    """BF16 / FP16 options (docs/numerics.md section 3): the Cast export form, calibrated scales."""
+
     bf16_qdq_to_cast: bool = False
     weight_scaled: bool = False
     activation_scaled: bool = False
-    # overrides: ONNX Runtime's TensorQuantOverrides format, validated, frozen as tuple of items
-    tensor_quant_overrides: Mapping[str, Any] = field(default_factory=dict)
-    # tensor-wise mixed precision: tensor name -> Format
-    tensor_precision: Mapping[str, Format] = field(default_factory=dict)
-    # the user's block axis ("BFPAttributes" / "MXAttributes" -> axis) for the tensors whose readers do not
-    # decide one (placement.block_axis)
-    block_axes: Mapping[str, int] = field(default_factory=dict)
-    # pipeline extras
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """The float graph and the runs around quantization: graph optimization before it (optimize_model),
+    ReplaceClip6Relu, external data, the execution providers of float reference runs, the Q/DQ form."""
+
     optimize_model: bool = True
+    replace_clip6_relu: bool = False
     use_external_data_format: bool = False
     execution_providers: tuple = ("CPUExecutionProvider",)
-    include_cle: bool = False
-    cle: Optional[CLESettings] = None  # set when include_cle
-    replace_clip6_relu: bool = False  # ReplaceClip6Relu: Clip(0, 6) nodes become Relu before quantization
+    quant_format: ExportFormat = ExportFormat.QDQ
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quant_format", ExportFormat.coerce(self.quant_format, "quant_format"))
+
+
+#: flat configuration name (the front end's) -> (group attribute, field) of :class:`ResolvedConfig`
+FLAT_NAMES: dict = {
+    **{f.name: ("placement", f.name) for f in fields(PlacementSettings)},
+    **{f.name: ("floats", f.name) for f in fields(FloatSettings)},
+    **{f.name: ("graph", f.name) for f in fields(GraphSettings)},
+    "calibrate_method": ("calibration", "method"), "weight_calibrate_method": ("calibration", "weight_method"),
+    **{n: ("calibration", n) for n in ("power_of_two", "percentile", "num_bins", "moving_average",
+                                       "moving_average_constant")},
+}
+_GROUPS = {"calibration": CalibrationSettings, "placement": PlacementSettings, "floats": FloatSettings,
+           "graph": GraphSettings}
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Everything placement, calibration, the algorithms and export need: parsed once from the Quark
+    vocabulary (:func:`qtorch_onnx.config.resolve_config`), typed and frozen, one object per concern.
+
+    Attributes:
+        activation / weight: the formats (:mod:`qtorch_onnx.formats.spec` objects).
+        calibration / placement / floats / graph: the settings of each concern (their classes' docs).
+        tensor_quant_overrides: ONNX Runtime's TensorQuantOverrides, validated (tensor name -> list of dicts).
+        tensor_precision: tensor-wise mixed precision, tensor name -> Format.
+        block_axes: the user's block axis (``"BFPAttributes"`` / ``"MXAttributes"`` -> axis) for the tensors
+            whose readers do not decide one (``placement.block_axis``).
+        cle / fast_finetune / auto_mixprecision: the algorithms' settings, None when not asked for.
+
+    The mappings are read-only (:class:`FrozenDict`); enums stay enums (:class:`CalibMethod`,
+    :class:`ExportFormat`, :class:`OptimAlgorithm`, string-valued so they compare equal to Quark's names).
+    """
+
+    activation: Format
+    weight: Format
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
+    floats: FloatSettings = field(default_factory=FloatSettings)
+    graph: GraphSettings = field(default_factory=GraphSettings)
+    tensor_quant_overrides: Mapping[str, Any] = field(default_factory=FrozenDict)
+    tensor_precision: Mapping[str, Format] = field(default_factory=FrozenDict)
+    block_axes: Mapping[str, int] = field(default_factory=FrozenDict)
+    cle: Optional[CLESettings] = None
     fast_finetune: Optional[FastFinetuneSettings] = None
     auto_mixprecision: Optional[AutoMixprecisionSettings] = None
-    # quant format for export of integer Q/DQ: "QDQ" (ONNX Runtime's) or "ExtendedQDQ" (Quark's)
-    quant_format: str = "QDQ"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_quant_overrides", "tensor_precision", "block_axes"):
+            value = getattr(self, name)
+            if not isinstance(value, FrozenDict):
+                object.__setattr__(self, name, FrozenDict(value or {}))
+
+    @property
+    def include_cle(self) -> bool:
+        """True when cross-layer equalization runs (``cle`` is set)."""
+        return self.cle is not None
+
+    def setting(self, name: str) -> Any:
+        """The value of a setting by its flat name (``"calibrate_method"``, ``"per_channel"``, ...;
+        :data:`FLAT_NAMES`) or a top-level field name.
+
+        Raises:
+            ConfigError: an unknown name (lists the valid ones).
+        """
+        if name in FLAT_NAMES:
+            group, f = FLAT_NAMES[name]
+            return getattr(getattr(self, group), f)
+        if name in {f.name for f in fields(self)} or name == "include_cle":
+            return getattr(self, name)
+        from ..errors import ConfigError, closest
+
+        valid = sorted(set(FLAT_NAMES) | {f.name for f in fields(self)})
+        raise ConfigError(f"ResolvedConfig: unknown setting {name!r}{closest(name, valid)}; valid: {valid}")
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> "ResolvedConfig":
+        """Build from the flat names of the configuration vocabulary (``calibrate_method``, ``per_channel``,
+        ``optimize_model``, ...; :data:`FLAT_NAMES`) and the top-level fields; how the Quark front end builds
+        it, and how a model saved by an earlier version (flat fields) is loaded.
+
+        Raises:
+            ConfigError: an unknown name (lists the valid ones).
+        """
+        from ..errors import ConfigError, closest
+
+        groups: dict = {g: {} for g in _GROUPS}
+        top: dict = {}
+        tops = {f.name for f in fields(cls)}
+        for name, value in kwargs.items():
+            if name in FLAT_NAMES:
+                g, f = FLAT_NAMES[name]
+                groups[g][f] = value
+            elif name in tops:
+                top[name] = value
+            elif name == "include_cle":
+                continue  # implied by ``cle``
+            else:
+                valid = sorted(set(FLAT_NAMES) | tops)
+                raise ConfigError(f"ResolvedConfig: unknown setting {name!r}{closest(name, valid)}; valid: {valid}")
+        for g, cls_g in _GROUPS.items():
+            if g not in top:
+                top[g] = cls_g(**groups[g])
+            elif groups[g]:
+                raise ConfigError(f"ResolvedConfig: {g} given both as a group and as {sorted(groups[g])}")
+        return cls(**top)

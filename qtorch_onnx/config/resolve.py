@@ -819,4 +819,4 @@ def resolve_config(config: Any) -> ResolvedConfig:
     qc = _unwrap(config)
     parsed = _parse(qc)
     check_features(parsed.features)
-    return ResolvedConfig(**parsed.kwargs, block_axes=dict(parsed.block_axes))
+    return ResolvedConfig.from_flat(**parsed.kwargs, block_axes=dict(parsed.block_axes))

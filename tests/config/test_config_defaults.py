@@ -78,7 +78,7 @@ def test_unknown_name_lists_near_names():
 
 def _ints(name):
     r = _resolved(name)
-    return r.activation, r.activation_symmetric, r.weight, r.weight_symmetric, r.calibrate_method
+    return r.activation, r.placement.activation_symmetric, r.weight, r.placement.weight_symmetric, r.calibration.method
 
 
 @pytest.mark.usefixtures("all_implemented")
@@ -101,18 +101,18 @@ def test_integer_table(name, expect):
 @pytest.mark.usefixtures("all_implemented")
 def test_integer_table_details():
     a8 = _resolved("A8W8")
-    assert (a8.int32_bias, a8.fold_relu, a8.align_concat, a8.align_slice, a8.align_eltwise_quant_type) == \
+    assert (a8.placement.int32_bias, a8.placement.fold_relu, a8.placement.align_concat, a8.placement.align_slice, a8.placement.align_eltwise_quant_type) == \
         (True, True, True, False, False)
-    assert a8.quant_format == "QDQ" and not a8.power_of_two
+    assert a8.graph.quant_format == "QDQ" and not a8.calibration.power_of_two
     a16 = _resolved("A16W8")
-    assert a16.align_eltwise_quant_type and a16.fold_relu and a16.align_concat and not a16.align_slice
-    assert a16.quant_format == "ExtendedQDQ"
-    assert _resolved("S8S8_AAWS").percentile == 99.9999
-    assert _resolved("U8S8_AAWS").percentile == 99.999
+    assert a16.placement.align_eltwise_quant_type and a16.placement.fold_relu and a16.placement.align_concat and not a16.placement.align_slice
+    assert a16.graph.quant_format == "ExtendedQDQ"
+    assert _resolved("S8S8_AAWS").calibration.percentile == 99.9999
+    assert _resolved("U8S8_AAWS").calibration.percentile == 99.999
     x = _resolved("XINT8")
-    assert x.power_of_two and x.align_concat and x.align_slice
-    assert _resolved("INT8_TRANSFORMER_DEFAULT").moving_average
-    assert not _resolved("INT8_CNN_DEFAULT").moving_average
+    assert x.calibration.power_of_two and x.placement.align_concat and x.placement.align_slice
+    assert _resolved("INT8_TRANSFORMER_DEFAULT").calibration.moving_average
+    assert not _resolved("INT8_CNN_DEFAULT").calibration.moving_average
 
 
 @pytest.mark.usefixtures("all_implemented")
@@ -123,15 +123,15 @@ def test_fast_finetune_variants(name, algo, lr):
     base = _resolved(name.rsplit("_", 1)[0])
     ft = r.fast_finetune
     assert (ft.optim_algorithm, ft.learning_rate, ft.num_iterations, ft.early_stop) == (algo, lr, 1000, True)
-    assert (r.activation, r.weight, r.fold_relu, r.align_concat) == (base.activation, base.weight, base.fold_relu,
-                                                                      base.align_concat)
+    assert (r.activation, r.weight, r.placement.fold_relu, r.placement.align_concat) == (base.activation, base.weight, base.placement.fold_relu,
+                                                                      base.placement.align_concat)
 
 
 @pytest.mark.usefixtures("all_implemented")
 def test_float_and_block_table():
     assert (_resolved("FP16").activation, _resolved("FP16").weight) == (F.FP16, F.FP16)
     bf = _resolved("BF16")
-    assert (bf.activation, bf.weight, bf.quantize_all_op_types) == (F.BF16, F.BF16, True)
+    assert (bf.activation, bf.weight, bf.placement.quantize_all_op_types) == (F.BF16, F.BF16, True)
     assert _resolved("BFP16").activation == F.BFPFormat("to_bfp", 16, 8, 2)
     for name, fmt in (("MX4", F.MX4), ("MX6", F.MX6), ("MX9", F.MX9)):
         r = _resolved(name)
@@ -159,7 +159,7 @@ def test_mixed_table():
         assert amp.target_op_type == ("Conv", "ConvTranspose", "Gemm", "MatMul")
         assert amp.l2_target is None and amp.top1_acc_target is None
     r = _resolved("S16S16_MIXED_S8S8")
-    assert (r.activation, r.weight, r.calibrate_method) == (F.INT16, F.INT16, "Percentile")
+    assert (r.activation, r.weight, r.calibration.method) == (F.INT16, F.INT16, "Percentile")
     amp = r.auto_mixprecision
     assert (amp.act_target_quant_type, amp.weight_target_quant_type, amp.l2_target) == (F.INT8, F.INT8, 0.1)
 

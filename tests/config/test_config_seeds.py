@@ -61,7 +61,7 @@ def _auto_l2():
 
 def test_seed000_elementwise(all_implemented):
     r = resolve_config(Config(global_quant_config=_elementwise_bfp_act()))
-    assert r.activation == F.BFP16 and r.weight == F.BF16 and r.quant_format == "ExtendedQDQ"
+    assert r.activation == F.BFP16 and r.weight == F.BF16 and r.graph.quant_format == "ExtendedQDQ"
     r = resolve_config(_elementwise_bfp_weight())
     assert r.activation == F.BF16 and r.weight == F.BFP16
     assert r.weight.rounding_mode == 2  # never Quark's silent rounding 0
@@ -124,13 +124,13 @@ def _bf16(extra):
 
 def test_seed001_bf16_qdq_to_cast():
     r = resolve_config(Config(global_quant_config=_bf16({"BF16QDQToCast": True})))
-    assert r.activation == F.BF16 and r.weight == F.BF16 and r.bf16_qdq_to_cast is True
-    assert r.calibrate_method == "MinMax" and r.power_of_two is False
+    assert r.activation == F.BF16 and r.weight == F.BF16 and r.floats.bf16_qdq_to_cast is True
+    assert r.calibration.method == "MinMax" and r.calibration.power_of_two is False
 
 
 def test_seed001_scaled():
     r = resolve_config(_bf16({"WeightScaled": True, "ActivationScaled": True}))
-    assert r.weight_scaled is True and r.activation_scaled is True and r.bf16_qdq_to_cast is False
+    assert r.floats.weight_scaled is True and r.floats.activation_scaled is True and r.floats.bf16_qdq_to_cast is False
 
 
 def _bf16_ft():
@@ -190,8 +190,8 @@ def test_seed003_layerwise_tensor_precision():
                                 ExtendedQuantType.QInt8: ["tensor_0", "tensor_1"],
                                 VitisQuantType.QInt16: ["tensor_2"]}})
     r = resolve_config(Config(global_quant_config=qc))
-    assert r.calibrate_method == "NonOverflow" and r.power_of_two is True
-    assert r.activation == F.INT16 and r.quant_format == "ExtendedQDQ"
+    assert r.calibration.method == "NonOverflow" and r.calibration.power_of_two is True
+    assert r.activation == F.INT16 and r.graph.quant_format == "ExtendedQDQ"
     assert r.tensor_precision == {"tensor_0": F.INT8, "tensor_1": F.INT8, "tensor_2": F.INT16}
 
 
@@ -212,7 +212,7 @@ def test_seed003_auto_top1(all_implemented):
     r = resolve_config(_top1(_top1_acc))
     amp = r.auto_mixprecision
     assert amp.top1_acc_target == 0.1 and amp.evaluate_function is _top1_acc and amp.l2_target is None
-    assert r.calibrate_method == "Percentile" and r.percentile == 99.999
+    assert r.calibration.method == "Percentile" and r.calibration.percentile == 99.999
 
 
 def test_seed003_auto_top1_gated():
@@ -224,10 +224,10 @@ def test_seed003_auto_top1_gated():
 def test_seed004_defaults(name, act):
     r = resolve_config(Config(global_quant_config=get_default_config(name)))
     assert r.activation == act and r.weight == F.INT8
-    assert r.activation_symmetric and r.weight_symmetric and r.int32_bias
-    assert r.calibrate_method == "MinMax" and not r.power_of_two
-    assert (r.fold_relu, r.align_concat, r.align_slice) == (True, True, False)
-    assert r.align_eltwise_quant_type is (name == "A16W8")
+    assert r.placement.activation_symmetric and r.placement.weight_symmetric and r.placement.int32_bias
+    assert r.calibration.method == "MinMax" and not r.calibration.power_of_two
+    assert (r.placement.fold_relu, r.placement.align_concat, r.placement.align_slice) == (True, True, False)
+    assert r.placement.align_eltwise_quant_type is (name == "A16W8")
     assert r.fast_finetune is None
 
 
@@ -253,5 +253,5 @@ def test_seed004_fast_finetune_gated(act, algo, lr):
 def test_seed004_fast_finetune_resolved(all_implemented, act, algo, lr):
     r = resolve_config(_seed004_ft(act, algo, lr))
     assert r.fast_finetune.optim_algorithm == algo and r.fast_finetune.learning_rate == lr
-    assert r.activation_symmetric and r.fold_relu and r.align_concat and not r.align_slice
+    assert r.placement.activation_symmetric and r.placement.fold_relu and r.placement.align_concat and not r.placement.align_slice
     assert r.activation == (F.INT8 if act is OrtQuantType.QInt8 else F.INT16)

@@ -26,28 +26,28 @@ def _raises(exc, match_all, fn, *a, **kw):
 def test_quark_defaults_resolve():
     r = resolve_config(QuantizationConfig())
     assert r.activation == F.INT8 and r.weight == F.INT8
-    assert (r.calibrate_method, r.power_of_two, r.quant_format) == ("MinMax", False, "QDQ")
-    assert r.activation_symmetric is False and r.weight_symmetric is True
-    assert (r.align_concat, r.align_slice, r.fold_relu) == (False, False, False)
-    assert (r.int32_bias, r.quantize_bias, r.adjust_bias_scale) == (True, True, True)
-    assert (r.percentile, r.num_bins, r.moving_average, r.moving_average_constant) == (99.999, 2048, False, 0.01)
-    assert r.execution_providers == ("CPUExecutionProvider",) and r.optimize_model is True
+    assert (r.calibration.method, r.calibration.power_of_two, r.graph.quant_format) == ("MinMax", False, "QDQ")
+    assert r.placement.activation_symmetric is False and r.placement.weight_symmetric is True
+    assert (r.placement.align_concat, r.placement.align_slice, r.placement.fold_relu) == (False, False, False)
+    assert (r.placement.int32_bias, r.placement.quantize_bias, r.placement.adjust_bias_scale) == (True, True, True)
+    assert (r.calibration.percentile, r.calibration.num_bins, r.calibration.moving_average, r.calibration.moving_average_constant) == (99.999, 2048, False, 0.01)
+    assert r.graph.execution_providers == ("CPUExecutionProvider",) and r.graph.optimize_model is True
     assert r.fast_finetune is None and r.auto_mixprecision is None and r.tensor_precision == {}
 
 
 def test_power_of_two_defaults_and_overrides():
     r = resolve_config(QuantizationConfig(calibrate_method=PowerOfTwoMethod.MinMSE))
-    assert (r.calibrate_method, r.power_of_two) == ("MinMSE", True)
-    assert r.activation_symmetric and r.align_concat and r.align_slice
+    assert (r.calibration.method, r.calibration.power_of_two) == ("MinMSE", True)
+    assert r.placement.activation_symmetric and r.placement.align_concat and r.placement.align_slice
     r = resolve_config(QuantizationConfig(calibrate_method=PowerOfTwoMethod.MinMSE,
                                           extra_options={"AlignSlice": False, "ActivationSymmetric": False}))
-    assert r.align_slice is False and r.activation_symmetric is False and r.align_concat is True
+    assert r.placement.align_slice is False and r.placement.activation_symmetric is False and r.placement.align_concat is True
 
 
 def test_entropy_num_bins_default():
-    assert resolve_config(QuantizationConfig(calibrate_method=CalibrationMethod.Entropy)).num_bins == 128
+    assert resolve_config(QuantizationConfig(calibrate_method=CalibrationMethod.Entropy)).calibration.num_bins == 128
     r = resolve_config(QuantizationConfig(calibrate_method=CalibrationMethod.Entropy, extra_options={"NumBins": 512}))
-    assert r.num_bins == 512
+    assert r.calibration.num_bins == 512
 
 
 def test_every_type_maps_to_its_format():
@@ -68,12 +68,12 @@ def test_plain_fields_mapped():
                             execution_providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
                             quant_format=ExtendedQuantFormat.QDQ)
     r = resolve_config(qc)
-    assert r.input_nodes == ("a",) and r.output_nodes == ("b",) and r.op_types_to_quantize == ("Conv", "MatMul")
-    assert r.nodes_to_quantize == ("n1",) and r.nodes_to_exclude == ("n2",)
-    assert r.subgraphs_to_exclude == ((("s1", "s2"), ("e1",)),)
-    assert r.per_channel and r.reduce_range and not r.optimize_model and r.use_external_data_format
-    assert r.execution_providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
-    assert r.quant_format == "ExtendedQDQ"
+    assert r.placement.input_nodes == ("a",) and r.placement.output_nodes == ("b",) and r.placement.op_types_to_quantize == ("Conv", "MatMul")
+    assert r.placement.nodes_to_quantize == ("n1",) and r.placement.nodes_to_exclude == ("n2",)
+    assert r.placement.subgraphs_to_exclude == ((("s1", "s2"), ("e1",)),)
+    assert r.placement.per_channel and r.placement.reduce_range and not r.graph.optimize_model and r.graph.use_external_data_format
+    assert r.graph.execution_providers == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    assert r.graph.quant_format == "ExtendedQDQ"
 
 
 def test_graph_flags_mapped():
@@ -84,10 +84,10 @@ def test_graph_flags_mapped():
             "ActivationSymmetric": "activation_symmetric", "WeightSymmetric": "weight_symmetric"}
     for key, field in keys.items():
         for value in (True, False):
-            assert getattr(resolve_config(_qc(**{key: value})), field) is value, key
+            assert resolve_config(_qc(**{key: value})).setting(field) is value, key
     # AdjustBiasScale: True is what this library always does (bias scale = activation scale x weight scale);
     # False cannot act and is rejected with a message that says so
-    assert resolve_config(_qc(AdjustBiasScale=True)).adjust_bias_scale is True
+    assert resolve_config(_qc(AdjustBiasScale=True)).placement.adjust_bias_scale is True
     with pytest.raises(UnsupportedFeatureError, match=r"AdjustBiasScale'\]=False is not supported.*set it to True"):
         resolve_config(_qc(AdjustBiasScale=False))
 
@@ -95,20 +95,20 @@ def test_graph_flags_mapped():
 def test_numpy_scalars_accepted():
     import numpy as np
     r = resolve_config(QuantizationConfig(per_channel=np.bool_(True), extra_options={"FoldRelu": np.True_}))
-    assert r.per_channel is True and r.fold_relu is True
+    assert r.placement.per_channel is True and r.placement.fold_relu is True
     r = resolve_config(QuantizationConfig(calibrate_method=CalibrationMethod.Percentile,
                                           extra_options={"Percentile": np.float32(99.5), "NumBins": np.int64(256)}))
-    assert r.percentile == 99.5 and r.num_bins == 256 and type(r.num_bins) is int
+    assert r.calibration.percentile == 99.5 and r.calibration.num_bins == 256 and type(r.calibration.num_bins) is int
 
 
 def test_calibration_options_mapped():
     r = resolve_config(QuantizationConfig(calibrate_method=CalibrationMethod.Percentile,
                                           extra_options={"Percentile": 99.99, "NumBins": 4096}))
-    assert (r.calibrate_method, r.percentile, r.num_bins) == ("Percentile", 99.99, 4096)
+    assert (r.calibration.method, r.calibration.percentile, r.calibration.num_bins) == ("Percentile", 99.99, 4096)
     r = resolve_config(_qc(CalibMovingAverage=True, CalibMovingAverageConstant=0.1))
-    assert r.moving_average and r.moving_average_constant == 0.1
+    assert r.calibration.moving_average and r.calibration.moving_average_constant == 0.1
     r = resolve_config(_qc(WeightCalibrateMethod=CalibrationMethod.Percentile, Percentile=99.9))
-    assert r.weight_calibrate_method == "Percentile" and r.percentile == 99.9
+    assert r.calibration.weight_method == "Percentile" and r.calibration.percentile == 99.9
 
 
 def test_options_that_would_be_ignored_are_errors():
@@ -294,10 +294,10 @@ def test_onnxruntime_enums_accepted():
                             activation_type=ortq.QuantType.QUInt16, weight_type=ortq.QuantType.QInt8,
                             extra_options={"Percentile": 99.9})
     r = resolve_config(qc)
-    assert (r.calibrate_method, r.quant_format, r.percentile) == ("Percentile", "QDQ", 99.9)
+    assert (r.calibration.method, r.graph.quant_format, r.calibration.percentile) == ("Percentile", "QDQ", 99.9)
     assert r.activation == F.UINT16 and r.weight == F.INT8
     for m in ortq.CalibrationMethod:
-        assert resolve_config(QuantizationConfig(calibrate_method=m)).calibrate_method == m.name
+        assert resolve_config(QuantizationConfig(calibrate_method=m)).calibration.method == m.name
     for name in ("QInt8", "QUInt8", "QInt16", "QUInt16"):
         assert resolve_config(QuantizationConfig(activation_type=ortq.QuantType[name])).activation == \
             resolve_config(QuantizationConfig(activation_type=QuantType[name])).activation
@@ -344,7 +344,7 @@ def test_gate_flip_is_all_it_takes(all_implemented):
     r = resolve_config(QuantizationConfig(activation_type=ExtendedQuantType.QBFP,
                                           quant_format=ExtendedQuantFormat.QDQ))
     assert r.activation == F.BFP16 and r.activation.rounding_mode == 2 and r.activation.block_size == 8
-    assert resolve_config(QuantizationConfig(quant_format=QuantFormat.QOperator)).quant_format == "QOperator"
+    assert resolve_config(QuantizationConfig(quant_format=QuantFormat.QOperator)).graph.quant_format == "QOperator"
 
 
 # ------------------------------------------------------------------------------------------- non-mutation
