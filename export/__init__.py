@@ -170,7 +170,7 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     """Write the quantized model as ONNX.
 
     Args:
-        qm: a calibrated :class:`~qtorch_onnx.quantizer.QuantizedModel`.
+        qm: a calibrated :class:`~qtorch_onnx.model.QuantizedModel`.
         path: output file (written atomically); None to only return the model.
         return_map: also return ``{tensor: QuantizerNodes}`` (used by the per-node parity checks).
         check: run ``onnx.checker.check_model(full_check=True)``.

@@ -24,6 +24,7 @@ from .errors import (
     ExportError,
     ModelError,
     QTorchOnnxError,
+    UnknownNameError,
     UnsupportedFeatureError,
     UnsupportedOpsError,
 )
@@ -38,7 +39,10 @@ _LAZY = {
     "FakeQuantize": "fakequant",
     "lift": "lift",
     "evaluate": "metrics",
-    **dict.fromkeys(("ModelQuantizer", "QuantizedModel", "calibrate", "prepare"), "quantizer"),
+    "prepare": "quantizer",
+    "QuantizedModel": "model",
+    "calibrate": "calibration",
+    "ModelQuantizer": "model_quantizer",
     "get_library_path": "runtime",
     "export": "export",
     "load_quantized": "interop.importer",
@@ -50,14 +54,15 @@ _LAZY = {
 
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
-_SUBMODULES = ("algorithms", "cache", "cli", "config", "data", "distributed", "errors", "fakequant", "formats",
-               "interop", "metrics", "observers", "ops", "placement", "quantizer", "runtime", "training", "zoo",
-               "triton_kernels")
+_SUBMODULES = ("algorithms", "cache", "calibration", "cli", "config", "data", "distributed", "errors", "fakequant",
+               "formats", "interop", "metrics", "model", "model_quantizer", "observers", "ops", "placement", "quantizer",
+               "runtime", "training", "zoo", "triton_kernels")
 
 __all__ = [
     "CalibrationMethod", "Config", "ExtendedQuantFormat", "ExtendedQuantType", "PowerOfTwoMethod", "QuantFormat",
     "QuantizationConfig", "QuantType", "VitisQuantFormat", "VitisQuantType", "get_default_config",
-    "ConfigError", "DataError", "ExportError", "ModelError", "QTorchOnnxError", "UnsupportedFeatureError",
+    "ConfigError", "DataError", "ExportError", "ModelError", "QTorchOnnxError", "UnknownNameError",
+    "UnsupportedFeatureError",
     "UnsupportedOpsError", "FakeQuantize", "lift", "evaluate", "ModelQuantizer", "QuantizedModel", "calibrate",
     "prepare", "get_library_path", "export", "load_quantized",
     "learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",

@@ -18,7 +18,8 @@ def _quantize(args: argparse.Namespace) -> int:
     from .export import export
     from .metrics import cosine_similarity, relative_l2
     from .lift import load_model
-    from .quantizer import calibrate, prepare
+    from .calibration import calibrate
+    from .quantizer import prepare
 
     t0 = time.perf_counter()
     proto = load_model(args.input)

@@ -178,7 +178,7 @@ def sync_observers(observers: ObserversLike, *, group: Any = None) -> None:
     Args:
         observers: a list of :class:`~qtorch_onnx.observers.Observer` (merged in this order, which must be the
             same on every rank), a ``{name: observer}`` mapping (its order; the names are compared too), or a
-            prepared :class:`~qtorch_onnx.quantizer.QuantizedModel` (the observers of ``qm.quantizers()``).
+            prepared :class:`~qtorch_onnx.model.QuantizedModel` (the observers of ``qm.quantizers()``).
         group: a ``torch.distributed`` process group (default: the world).
 
     Raises:
@@ -251,7 +251,7 @@ def check_same_graph(qm: Any, *, group: Any = None) -> None:
     with rank 0's. A no-op unless torch.distributed is initialized and ``group`` has more than one rank.
 
     Args:
-        qm: a prepared :class:`~qtorch_onnx.quantizer.QuantizedModel`.
+        qm: a prepared :class:`~qtorch_onnx.model.QuantizedModel`.
         group: a ``torch.distributed`` process group (default: the world).
 
     Raises:

@@ -56,6 +56,14 @@ class UnsupportedOpsError(ModelError):
         super().__init__("the model uses ops that cannot be lifted to torch:\n" + "\n".join(lines))
 
 
+class UnknownNameError(QTorchOnnxError, KeyError):
+    """A name looked up that does not exist (an ONNX initializer without a trainable parameter, ...); the
+    message names it and the closest valid one. Also a KeyError, as a failed lookup."""
+
+    def __str__(self) -> str:  # the message as written (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""
+
+
 class DataError(QTorchOnnxError, ValueError):
     """Calibration or evaluation data does not fit the model (names the input, shape or dtype)."""
 

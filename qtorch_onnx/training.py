@@ -4,7 +4,7 @@ the layer view algorithms iterate over, and save / load.
 Every float initializer of the ONNX model a user could train (Conv / ConvTranspose / Gemm / MatMul weights
 and biases, constant operands of Add / Sub / Mul / Div, normalization scales and biases, Gather tables, PRelu
 slopes) is an ``nn.Parameter`` of the prepared module, found by its ONNX name with
-:meth:`~qtorch_onnx.quantizer.QuantizedModel.parameter`; export writes the live values (ARCHITECTURE.md,
+:meth:`~qtorch_onnx.model.QuantizedModel.parameter`; export writes the live values (ARCHITECTURE.md,
 "Training contract")::
 
     qm = qo.prepare("model.onnx", "A8W8"); qo.calibrate(qm, data)
@@ -33,7 +33,7 @@ from .errors import ConfigError, ExportError, ModelError
 from .fakequant import FakeQuantize, WeightRounding
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .quantizer import QuantizedModel
+    from .model import QuantizedModel
 
 __all__ = [
     "TRAINABLE_INPUTS", "trainable_initializers", "make_trainable", "QuantLayer", "LAYER_OP_TYPES",

@@ -423,7 +423,8 @@ class _Builder:
 
     def build(self, cfg):
         from ..placement import plan_quantization
-        from ..quantizer import attach_quantizers, calibrate
+        from ..calibration import calibrate
+        from ..quantizer import attach_quantizers
 
         gm = copy.deepcopy(self.gm)
         plan = plan_quantization(gm.onnx_model, cfg)

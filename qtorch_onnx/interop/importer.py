@@ -1,7 +1,7 @@
 """Import an already-quantized ONNX model: its quantizer nodes become FakeQuantize modules.
 
 :func:`load_quantized` takes a model quantized by AMD Quark, by ONNX Runtime's quantization tool or by this
-project, and returns a :class:`~qtorch_onnx.quantizer.QuantizedModel` whose FakeQuantize modules hold the
+project, and returns a :class:`~qtorch_onnx.model.QuantizedModel` whose FakeQuantize modules hold the
 model's own formats, scales, zero points, axes and block attributes. It runs like the model (bit for bit per
 quantizer, docs/numerics.md), can be finetuned (weights are float parameters, straight-through gradients), and
 :func:`qtorch_onnx.export` writes it back with the same structure: the same quantizer op types, domains,
@@ -290,7 +290,7 @@ class _Finder:
 
 
 def load_quantized(model: Union[str, os.PathLike, onnx.ModelProto], *, device=None):
-    """Import a quantized ONNX model as a :class:`~qtorch_onnx.quantizer.QuantizedModel` (module docstring).
+    """Import a quantized ONNX model as a :class:`~qtorch_onnx.model.QuantizedModel` (module docstring).
 
     Args:
         model: path or ``onnx.ModelProto`` (never modified), quantized in Q/DQ form (Quark, ONNX Runtime's

@@ -23,7 +23,7 @@ from qtorch_onnx import data as _data
 from qtorch_onnx.distributed import check_same_graph, sync_observers
 from qtorch_onnx.errors import DataError, ModelError
 from qtorch_onnx.observers import MinMaxObserver, PercentileObserver
-from qtorch_onnx.quantizer import finalize_qparams
+from qtorch_onnx.calibration import finalize_qparams
 
 from .small_models import calib_data, cnn
 
