@@ -325,7 +325,8 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         if any(n.domain == dom for n in ordered) and not any(o.domain == dom for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(dom, 1))
     too_big = _initializer_bytes(model) > _PROTO_LIMIT
-    external = bool(getattr(getattr(qm, "config", None), "use_external_data_format", False)) or too_big
+    graph_settings = getattr(getattr(qm, "config", None), "graph", None)  # a ResolvedConfig's GraphSettings
+    external = bool(getattr(graph_settings, "use_external_data_format", False)) or too_big
     if check and not too_big:  # the checker serializes the model
         try:
             onnx.checker.check_model(model, full_check=True)
