@@ -397,7 +397,7 @@ def _scalar_axes_to_1d(graph: onnx.GraphProto) -> None:
             while name in taken:
                 name, j = f"{t.name}_1d{j}", j + 1
             taken.add(name)
-            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).reshape(1), name))
+            graph.initializer.append(numpy_helper.from_array(read_initializer(t).reshape(1), name))
             made[t.name] = name
         node.input[k] = made[t.name]
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
