@@ -50,6 +50,8 @@ from qtorch_onnx.fakequant import FakeQuantize
 from qtorch_onnx.formats import floating as _floating
 from qtorch_onnx.formats import integer as _integer
 from qtorch_onnx.formats.spec import BFPFormat, FloatFormat, IntFormat, MXFormat
+from qtorch_onnx.lift.normalize import (external_span, is_unloaded, large_initializers, read_external_bytes,
+                                       read_initializer)
 
 __all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "save_bytes_atomic", "safe_name",
            "QUARK_DOMAIN"]
@@ -187,8 +189,6 @@ class _ExternalDataWriter:
     def copy_unloaded(self, t: TensorProto) -> TensorProto:
         """An initializer still in the input model's external data file (streaming): its bytes copied over in
         slices of 64 MiB (read errors name the tensor and the file)."""
-        from qtorch_onnx.lift.normalize import external_span, read_external_bytes
-
         src, offset, length = external_span(t)
         out = self._stub(t.name, t.data_type, t.dims, length)
         step = 64 << 20
@@ -202,8 +202,6 @@ class _ExternalDataWriter:
 
     def put(self, t: TensorProto) -> TensorProto:
         """``t`` itself when it stays in the model file (small, or not raw data), else written out."""
-        from qtorch_onnx.lift.normalize import is_unloaded
-
         if is_unloaded(t):
             return self.copy_unloaded(t)
         if t.HasField("raw_data") and self.wanted(len(t.raw_data)):
@@ -215,15 +213,11 @@ def _streams(model: onnx.ModelProto) -> bool:
     """Whether export writes ``model`` tensor by tensor (:class:`_ExternalDataWriter`): a model past protobuf's
     limit (:func:`qtorch_onnx.lift.normalize.large_initializers`) or one with initializers still in their
     external data file (lifted from a path, streaming)."""
-    from qtorch_onnx.lift.normalize import is_unloaded, large_initializers
-
     return bool(large_initializers(model)) or any(is_unloaded(t) for t in model.graph.initializer)
 
 
 def _load_unloaded(model: onnx.ModelProto) -> None:
     """Read every initializer of ``model`` still in its external data file into the model (in place)."""
-    from qtorch_onnx.lift.normalize import is_unloaded, read_initializer
-
     for t in model.graph.initializer:
         if is_unloaded(t):
             t.CopyFrom(numpy_helper.from_array(read_initializer(t), t.name))
@@ -286,8 +280,11 @@ def _quantize_integer_in_slices(fq: FakeQuantize, value: torch.Tensor) -> torch.
     or a small weight) is quantized in one call."""
     fmt = fq.fmt
     per_channel = fq.scale.dim() > 0
+    if value.numel() <= SLICE_ELEMENTS or fq.rounding is not None or fq.role == "bias" or value.dim() == 0 \
+            or (per_channel and fq.axis is None):
+        return fq.quantize_integer(value)
     dims = [d for d in range(value.dim()) if not (per_channel and d == fq.axis % value.dim())]
-    if value.numel() <= SLICE_ELEMENTS or fq.rounding is not None or not dims or fq.role == "bias":
+    if not dims:
         return fq.quantize_integer(value)
     dim = dims[0]
     if fmt.bits <= 8:
@@ -429,7 +426,7 @@ def _export(qm, path, return_map: bool, check: bool, sink: Optional["_ExternalDa
         if is_init:
             value = current.get(tensor)
             if value is None:
-                value = numpy_helper.to_array(inits[tensor])
+                value = read_initializer(inits[tensor])  # numpy_helper.to_array, or from its file
             value = np.asarray(value, dtype=np.float32)
             qint = _weight_integers(qm, tensor, fq) if isinstance(fmt, IntFormat) else None
             nodes, new_inits, qn = claim(base, lambda b: _weight_nodes(tensor, b, value, fq, qdomain, qint))

@@ -103,12 +103,18 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
                              f"data file {str(f)!r}, which has {size} bytes (truncated?)")
     stay = {t.name for t in large_initializers(model) if uses_external_data(t)
             and (t.data_type in _PLAIN_TYPES or any(e.key == "length" for e in t.external_data))}
+    folder = base.resolve()
     for t in model.graph.initializer:
         if t.name in stay:  # streamed: the absolute path makes the stub self-contained (normalize.is_unloaded)
             info = ExternalDataInfo(t)
+            where = (base / info.location).resolve()
+            if Path(info.location).is_absolute() or not where.is_relative_to(folder):
+                # ONNX's rule (onnx.external_data_helper): the data lives in the model's folder
+                raise ModelError(f"{str(path)!r}: tensor {t.name!r} names the external data file "
+                                 f"{info.location!r}, outside the model's folder {str(folder)!r}")
             for e in t.external_data:
                 if e.key == "location":
-                    e.value = str((base / info.location).resolve())
+                    e.value = str(where)
             if not any(e.key == "length" for e in t.external_data):
                 t.external_data.add(key="length", value=str(_nbytes(t)))
     for t in tensors:

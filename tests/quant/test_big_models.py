@@ -112,9 +112,17 @@ def test_streaming_path_reads_each_weight_once_and_gives_the_same_bits(tmp_path,
 
     out = tmp_path / "q.onnx"
     # tensors from 128 bytes go to the data file (1024 by default: this model's quantized weights are smaller)
-    monkeypatch.setattr(importlib.import_module("qtorch_onnx.export"), "_EXTERNAL_THRESHOLD", 128)
+    export_module = importlib.import_module("qtorch_onnx.export")
+    monkeypatch.setattr(export_module, "_EXTERNAL_THRESHOLD", 128)
+    # weights quantized in slices of 64 elements (per channel on axis 0: w2 is sliced along axis 1)
+    monkeypatch.setattr(export_module, "SLICE_ELEMENTS", 64)
+    sliced = []
+    real_slices = export_module._quantize_integer_in_slices
+    monkeypatch.setattr(export_module, "_quantize_integer_in_slices",
+                        lambda fq, v: (sliced.append(fq.tensor_name), real_slices(fq, v))[1])
     returned = qo.export(qm, str(out))
     assert (tmp_path / "q.onnx.data").is_file()
+    assert {"w1", "w2", "fc_w"} <= set(sliced)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp_")]  # the temporary folder is gone
     raw = onnx.load(str(out), load_external_data=False)
     external = {t.name for t in raw.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
@@ -141,6 +149,18 @@ def test_streaming_missing_or_truncated_external_data_is_named(tmp_path, monkeyp
     data = tmp_path / "float.onnx.data"
     blob = data.read_bytes()
     _stream_thresholds(monkeypatch)
+    # a large initializer whose data file is outside the model's folder (ONNX forbids it) is refused
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    outside = onnx.load(str(src), load_external_data=False)
+    for t in outside.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../float.onnx.data"
+    onnx.save_model(outside, str(sub / "outside.onnx"))
+    with pytest.raises(qo.ModelError, match=r"tensor '(w1|w2|fc_w)' names the external data file "
+                                            r"'\.\./float\.onnx\.data', outside the model's folder"):
+        lifter.load_model(str(sub / "outside.onnx"))
     model = lifter.load_model(str(src))  # the large initializers stay in the file
     stubs = [t for t in model.graph.initializer if normalize.is_unloaded(t)]
     assert sorted(t.name for t in stubs) == ["fc_w", "w1", "w2"]
