@@ -731,7 +731,7 @@ def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qi
             q = _integer.quantize_bias(x_copy(), scale)
         else:
             q = _integer.quantize(x_copy(), scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
-        qarr = q.cpu().numpy().astype(fmt.numpy_dtype)
+        qarr = q.cpu().numpy().astype(fmt.numpy_dtype, copy=False)  # already that dtype when sliced
         inits, s, z = _qparam_inits(base, fq)
         inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
         dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
