@@ -35,6 +35,7 @@ Conv``) or the float ``T`` (``T_QuantizeInput``) beside it.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Tuple, Union
@@ -49,6 +50,8 @@ from qtorch_onnx.fakequant import FakeQuantize
 from qtorch_onnx.formats import floating as _floating
 from qtorch_onnx.formats import integer as _integer
 from qtorch_onnx.formats.spec import FloatFormat, IntFormat, check_family_table
+from qtorch_onnx.lift.normalize import (external_span, is_unloaded, large_initializers, read_external_bytes,
+                                       read_initializer)
 
 __all__ = ["export", "QuantizerNodes", "quantizer_submodel", "save_model_atomic", "save_bytes_atomic", "safe_name",
            "QUARK_DOMAIN"]
@@ -122,6 +125,97 @@ def save_model_atomic(model: onnx.ModelProto, path: Union[str, os.PathLike], *,
         shutil.rmtree(work, ignore_errors=True)
 
 
+#: tensors of at least this many bytes (raw data plus Python's bytes header, onnx's rule) go to the external data
+#: file; smaller ones stay in the model file (onnx.save_model's ``size_threshold=1024``)
+_EXTERNAL_THRESHOLD = 1024
+
+
+class _ExternalDataWriter:
+    """Writes initializers one at a time into an external data file (ONNX's external data format) and returns the
+    tensors that reference them: the streaming export of models past protobuf's limit, which never holds more
+    than one tensor's bytes besides the torch model.
+
+    Args:
+        work: folder of the temporary files (in the output's folder). location: the data file's name beside the
+            model (``<model file name>.data``), as the written tensors record it.
+    """
+
+    def __init__(self, work: str, location: str) -> None:
+        self.location = location
+        self.path = os.path.join(work, location)
+        self._f = open(self.path, "wb")
+        self.offset = 0
+
+    def close(self) -> None:
+        self._f.close()
+
+    @staticmethod
+    def wanted(nbytes: int) -> bool:
+        return nbytes + sys.getsizeof(b"") >= _EXTERNAL_THRESHOLD
+
+    def _stub(self, name: str, data_type: int, dims, length: int) -> TensorProto:
+        t = TensorProto(name=name, data_type=data_type, dims=list(dims), data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", self.location), ("offset", str(self.offset)), ("length", str(length))):
+            t.external_data.add(key=key, value=value)
+        self.offset += length
+        return t
+
+    def write_array(self, name: str, value: np.ndarray) -> TensorProto:
+        """``value`` (numpy, ONNX layout) as the initializer ``name``: its bytes written once (little-endian),
+        without a TensorProto copy for plain numeric dtypes."""
+        dtype = value.dtype
+        if dtype.kind not in "fiub" or not dtype.isnative or sys.byteorder != "little":
+            return self.write_proto(numpy_helper.from_array(value, name))  # ml_dtypes types, big-endian
+        data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        arr = np.ascontiguousarray(value)
+        self._f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        return self._stub(name, data_type, value.shape, arr.nbytes)
+
+    def write_proto(self, t: TensorProto) -> TensorProto:
+        """An in-memory initializer with raw data, written out (``t`` is not modified)."""
+        self._f.write(t.raw_data)
+        out = self._stub(t.name, t.data_type, t.dims, len(t.raw_data))
+        if t.doc_string:
+            out.doc_string = t.doc_string
+        return out
+
+    def copy_unloaded(self, t: TensorProto) -> TensorProto:
+        """An initializer still in the input model's external data file (streaming): its bytes copied over in
+        slices of 64 MiB (read errors name the tensor and the file)."""
+        src, offset, length = external_span(t)
+        out = self._stub(t.name, t.data_type, t.dims, length)
+        step = 64 << 20
+        for start in range(0, length, step):
+            n = min(step, length - start)
+            part = TensorProto(name=t.name, data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", src), ("offset", str(offset + start)), ("length", str(n))):
+                part.external_data.add(key=key, value=value)
+            self._f.write(memoryview(read_external_bytes(part)))
+        return out
+
+    def put(self, t: TensorProto) -> TensorProto:
+        """``t`` itself when it stays in the model file (small, or not raw data), else written out."""
+        if is_unloaded(t):
+            return self.copy_unloaded(t)
+        if t.HasField("raw_data") and self.wanted(len(t.raw_data)):
+            return self.write_proto(t)
+        return t
+
+
+def _streams(model: onnx.ModelProto) -> bool:
+    """Whether export writes ``model`` tensor by tensor (:class:`_ExternalDataWriter`): a model past protobuf's
+    limit (:func:`qtorch_onnx.lift.normalize.large_initializers`) or one with initializers still in their
+    external data file (lifted from a path, streaming)."""
+    return bool(large_initializers(model)) or any(is_unloaded(t) for t in model.graph.initializer)
+
+
+def _load_unloaded(model: onnx.ModelProto) -> None:
+    """Read every initializer of ``model`` still in its external data file into the model (in place)."""
+    for t in model.graph.initializer:
+        if is_unloaded(t):
+            t.CopyFrom(numpy_helper.from_array(read_initializer(t), t.name))
+
+
 def save_bytes_atomic(data: bytes, path: Union[str, os.PathLike]) -> None:
     """Write ``data`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``), with the
     permissions a plain ``open(path, "wb")`` would give (the user's umask)."""
@@ -161,9 +255,43 @@ def _weight_integers(qm, tensor: str, fq: FakeQuantize) -> Optional[np.ndarray]:
     for module, attr, perm in initializer_locations(qm, tensor):
         value = live_value(module, attr)
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            q = fq.quantize_integer(value.detach())
+            q = _quantize_integer_in_slices(fq, value.detach())
             return to_onnx_layout(q.cpu(), perm, tuple(init.dims)).numpy() if init is not None else q.cpu().numpy()
     return None
+
+
+#: a weight with more elements than this is quantized for export slice by slice (bounded temporaries)
+SLICE_ELEMENTS = 1 << 22
+
+
+def _quantize_integer_in_slices(fq: FakeQuantize, value: torch.Tensor) -> torch.Tensor:
+    """``fq.quantize_integer(value)``, computed over slices of at most about :data:`SLICE_ELEMENTS` elements
+    along a dimension that is not the quantization axis and stored in the narrowest torch integer dtype holding
+    the format (int8 / uint8 / int16 / int32 / int64), so the float temporaries of the quantization formula are
+    bounded by a slice instead of several copies of the weight. Element-wise, so the same integers as one call.
+    A weight that cannot be sliced (a rounding hook reads the whole tensor, per-channel on its only dimension,
+    or a small weight) is quantized in one call."""
+    fmt = fq.fmt
+    per_channel = fq.scale.dim() > 0
+    if value.numel() <= SLICE_ELEMENTS or fq.rounding is not None or fq.role == "bias" or value.dim() == 0 \
+            or (per_channel and fq.axis is None):
+        return fq.quantize_integer(value)
+    dims = [d for d in range(value.dim()) if not (per_channel and d == fq.axis % value.dim())]
+    if not dims:
+        return fq.quantize_integer(value)
+    dim = dims[0]
+    if fmt.bits <= 8:
+        dtype = torch.int8 if fmt.signed else torch.uint8
+    elif fmt.bits <= 16:
+        dtype = torch.int16 if fmt.signed else torch.int32
+    else:
+        dtype = torch.int64
+    out = torch.empty(value.shape, dtype=dtype)
+    step = max(1, SLICE_ELEMENTS // max(1, value.numel() // value.shape[dim]))
+    for start in range(0, value.shape[dim], step):
+        part = value.narrow(dim, start, min(step, value.shape[dim] - start))
+        out.narrow(dim, start, part.shape[dim]).copy_(fq.quantize_integer(part))
+    return out
 
 
 def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool = False, check: bool = True):
@@ -186,11 +314,42 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
 
     The ``com.amd.quark`` nodes it may write (BFP/MX formats, INT32 and BF16/FP16 Q/DQ) need the project's
     operator library in ONNX Runtime (:func:`qtorch_onnx.get_library_path`; docs/operators.md).
+
+    Models past protobuf's limit, and models lifted from a path with their large initializers left in the
+    external data file (streaming, :func:`qtorch_onnx.lift.load_model`), are written with ``path`` tensor by
+    tensor into ``<file name>.data`` (ONNX's external data format, whatever ``use_external_data_format`` says):
+    each weight is quantized in slices and its bytes written once, no ModelProto holds the weights, and the
+    checker runs on the written files. The returned ModelProto then references that data file (relative
+    location, as in the file; ``onnx.load(path)`` reads it with the data). Without ``path``, initializers still
+    in their input file are read into the returned model.
     """
+    if path is None or not _streams(qm.onnx_model):
+        return _export(qm, path, return_map, check, None)
+    import shutil
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".tmp_", dir=folder)
+    try:
+        sink = _ExternalDataWriter(work, os.path.basename(path) + ".data")
+        try:
+            return _export(qm, path, return_map, check, sink)
+        finally:
+            sink.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _export(qm, path, return_map: bool, check: bool, sink: Optional["_ExternalDataWriter"]):
+    """:func:`export`; with ``sink``, large initializers go to its data file as they are made, and the files
+    are checked and moved into place at the end (streaming)."""
     from qtorch_onnx.training import live_initializers
 
     model = onnx.ModelProto()
     model.CopyFrom(qm.onnx_model)
+    if sink is None:
+        _load_unloaded(model)
     graph = model.graph
     fqs: Dict[str, FakeQuantize] = qm.quantizers()
     qm.sync_qparams()  # derived state (weight qparams, INT32 bias scales) from the live parameters
@@ -199,10 +358,17 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
             fq.check_qparams()
     current = {name: _to_numpy(t) for name, t in live_initializers(qm).items()}
     inits = {t.name: t for t in graph.initializer}
+    # a weight with its own quantizer is replaced by the quantizer's initializers below (from ``current``):
+    # its float value is never written
+    replaced = {k for k, fq in fqs.items() if fq.consumer is None and k in inits}
     for name, value in current.items():
+        if name in replaced:
+            continue
         old = inits[name]
-        new = numpy_helper.from_array(value, name)
-        old.CopyFrom(new)
+        if sink is not None and sink.wanted(value.nbytes):
+            old.CopyFrom(sink.write_array(name, value))
+        else:
+            old.CopyFrom(numpy_helper.from_array(value, name))
 
     opset = _opset(model)
     integer = [f for f in fqs.values() if f.fmt.family.integer_grid]
@@ -254,10 +420,13 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
         if is_init:
             value = current.get(tensor)
             if value is None:
-                value = numpy_helper.to_array(inits[tensor])
+                value = read_initializer(inits[tensor])  # numpy_helper.to_array, or from its file
             value = np.asarray(value, dtype=np.float32)
             qint = _weight_integers(qm, tensor, fq) if fmt.family.integer_grid else None
             nodes, new_inits, qn = claim(base, lambda b: _weight_nodes(tensor, b, value, fq, qdomain, qint))
+            del value, qint
+            if sink is not None:
+                new_inits = [sink.put(t) for t in new_inits]
             graph.initializer.remove(inits[tensor])
             graph.initializer.extend(new_inits)
             front.extend(nodes)
@@ -324,6 +493,9 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     for dom in (QUARK_DOMAIN, "com.microsoft"):
         if any(n.domain == dom for n in ordered) and not any(o.domain == dom for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(dom, 1))
+    if sink is not None:
+        _save_streamed(model, path, sink, check)
+        return (model, qmap) if return_map else model
     too_big = _initializer_bytes(model) > _PROTO_LIMIT
     graph_settings = getattr(getattr(qm, "config", None), "graph", None)  # a ResolvedConfig's GraphSettings
     external = bool(getattr(graph_settings, "use_external_data_format", False)) or too_big
@@ -335,6 +507,38 @@ def export(qm, path: Union[str, os.PathLike, None] = None, *, return_map: bool =
     if path is not None:
         save_model_atomic(model, path, external_data=external)
     return (model, qmap) if return_map else model
+
+
+def _save_streamed(model: onnx.ModelProto, path: str, sink: "_ExternalDataWriter", check: bool) -> None:
+    """The end of a streaming export: every initializer still in memory above the size threshold, or still in
+    the input's data file, goes to the data file (in place on ``model``); the model file is written beside it
+    in the temporary folder, checked there (``onnx.checker`` on the path: it reads no tensor data), then the
+    data file and the model file are renamed into place, in that order.
+
+    Raises:
+        ExportError: the written model fails ``onnx.checker`` (with ``check``); nothing is moved into place.
+    """
+    for t in model.graph.initializer:
+        out = sink.put(t)
+        if out is not t:
+            t.CopyFrom(out)
+    sink.close()
+    umask = os.umask(0)
+    os.umask(umask)
+    work = os.path.dirname(sink.path)
+    tmp_model = os.path.join(work, "model.onnx")
+    with open(tmp_model, "wb") as f:
+        f.write(model.SerializeToString())
+    if check:
+        try:
+            onnx.checker.check_model(tmp_model, full_check=True)
+        except Exception as exc:
+            raise ExportError(f"exported model fails onnx.checker: {exc}") from exc
+    folder = os.path.dirname(os.path.abspath(path))
+    for name in (sink.location, "model.onnx"):
+        os.chmod(os.path.join(work, name), 0o666 & ~umask)
+    os.replace(sink.path, os.path.join(folder, sink.location))
+    os.replace(tmp_model, path)
 
 
 def _graph_names(graph: onnx.GraphProto) -> set:
@@ -490,18 +694,23 @@ def _cast_form(tensor, base, src, out, fq: FakeQuantize, qn: QuantizerNodes):
 def _weight_nodes(tensor, base, value: np.ndarray, fq: FakeQuantize, qdomain, qint: Optional[np.ndarray] = None):
     """The initializers and nodes that replace a quantized initializer ``tensor`` (float32 ``value``, ONNX
     layout): the format family's writer (:data:`_WEIGHT_WRITERS`); ``qint`` are an integer weight's exported
-    integers when a rounding hook decided them. Returns (nodes, new initializers, QuantizerNodes)."""
+    integers when a rounding hook or the sliced quantization decided them. Returns (nodes, new initializers,
+    QuantizerNodes)."""
     if fq.weight_storage == "float" and not fq.fmt.family.block:
         # the float initializer feeds the quantizer's nodes, as an activation's value would
         nodes, inits, qn = _activation_nodes(tensor, base, f"{base}_float", tensor, fq, qdomain)
         qn.role = fq.role
         qn.initializers = [f"{base}_float"] + qn.initializers
         return nodes, [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), f"{base}_float")] + inits, qn
-    x = torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
-    return _WEIGHT_WRITERS[fq.fmt.family.name](tensor, base, value, x, fq, qdomain, qint)
+    return _WEIGHT_WRITERS[fq.fmt.family.name](tensor, base, value, fq, qdomain, qint)
 
 
-def _block_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+def _float32_copy(value: np.ndarray) -> torch.Tensor:
+    """A float32 torch copy of a weight's value, made only where a writer computes on it (models past 2 GiB)."""
+    return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+
+
+def _block_weight(tensor, base, value, fq: FakeQuantize, qdomain, qint):
     """Block formats keep the float initializer, read through the block operator."""
     qn = QuantizerNodes(tensor, fq.role, f"{base}_float", tensor)
     node = _block_node(base, qn.input, tensor, fq)
@@ -510,7 +719,7 @@ def _block_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
     return [node], [numpy_helper.from_array(np.ascontiguousarray(value, dtype=np.float32), qn.input)], qn
 
 
-def _integer_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+def _integer_weight(tensor, base, value, fq: FakeQuantize, qdomain, qint):
     """The quantized integers (``qint`` when given) -> DequantizeLinear (docs/operators.md)."""
     fmt = fq.fmt
     qn = QuantizerNodes(tensor, fq.role, f"{base}_quantized", tensor)
@@ -519,10 +728,10 @@ def _integer_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
     if qint is not None:
         q = torch.from_numpy(np.asarray(qint))
     elif fq.role == "bias" and fmt.bits == 32:
-        q = _integer.quantize_bias(x, scale)
+        q = _integer.quantize_bias(_float32_copy(value), scale)
     else:
-        q = _integer.quantize(x, scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
-    qarr = q.cpu().numpy().astype(fmt.numpy_dtype)
+        q = _integer.quantize(_float32_copy(value), scale, zp, fmt, axis=axis, narrow_range=fq.narrow_range)
+    qarr = q.cpu().numpy().astype(fmt.numpy_dtype, copy=False)  # already that dtype when sliced
     inits, s, z = _qparam_inits(base, fq)
     inits.insert(0, numpy_helper.from_array(qarr, f"{base}_quantized"))
     dq = helper.make_node("DequantizeLinear", [f"{base}_quantized", s, z], [tensor], name=f"{base}_DequantizeLinear",
@@ -532,7 +741,7 @@ def _integer_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
     return [dq], inits, qn
 
 
-def _float_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
+def _float_weight(tensor, base, value, fq: FakeQuantize, qdomain, qint):
     """BF16/FP16 weights stored in the 16-bit type: ExtendedDequantizeLinear (Q/DQ form), or Cast back to
     float times the scale (Cast form; docs/numerics.md section 3)."""
     fmt: FloatFormat = fq.fmt
@@ -543,10 +752,10 @@ def _float_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
         if fmt.kind == "BF16":
             import ml_dtypes
 
-            q = _floating.bf16_quantize(x, fq.scale.detach().cpu(), None, axis)
+            q = _floating.bf16_quantize(_float32_copy(value), fq.scale.detach().cpu(), None, axis)
             stored = q.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         else:
-            stored = _floating.fp16_quantize(x).numpy()
+            stored = _floating.fp16_quantize(_float32_copy(value)).numpy()
         inits.insert(0, numpy_helper.from_array(np.ascontiguousarray(stored), f"{base}_quantized"))
         dq = helper.make_node("ExtendedDequantizeLinear", [f"{base}_quantized", s, z], [tensor],
                               name=f"{base}_ExtendedDequantizeLinear", domain=QUARK_DOMAIN, **_axis_attrs(fq))
@@ -554,6 +763,7 @@ def _float_weight(tensor, base, value, x, fq: FakeQuantize, qdomain, qint):
         qn.initializers = [i.name for i in inits]
         return [dq], inits, qn
     scale = float(fq.scale.detach().cpu().reshape(-1)[0])
+    x = _float32_copy(value)
     v = x if scale == 1.0 else x * torch.tensor(np.float32(1.0) / np.float32(scale))
     if fmt.kind == "BF16":
         import ml_dtypes

@@ -98,17 +98,24 @@ def _weight_qparams(fq: FakeQuantize, value: torch.Tensor, onnx_axis: Optional[i
     if fq.weight_method is not None:
         fq.qparams_by_method(value, onnx_axis)
         return
-    v = value.detach().to(torch.float64)
+    # min / max in the value's own dtype, then float64: the same numbers (a min is one of the values, and
+    # float32 -> float64 is exact) without a float64 copy of the weight
+    v = value.detach()
     if onnx_axis is None:
         rmin, rmax = v.min(), v.max()
     else:
         dims = [d for d in range(v.dim()) if d != onnx_axis]
         rmin, rmax = v.amin(dim=dims), v.amax(dim=dims)
-    fq.compute_qparams_from_range(rmin, rmax)
+    fq.compute_qparams_from_range(rmin.to(torch.float64), rmax.to(torch.float64))
 
 
 def _initializer_value(info, tensor: str) -> torch.Tensor:
-    return torch.from_numpy(np.array(numpy_helper.to_array(info.initializers[tensor]), dtype=np.float32, copy=True))
+    from .lift.normalize import is_unloaded, read_initializer
+
+    t = info.initializers[tensor]
+    if is_unloaded(t):  # still in its external data file (streaming): read into a new array, no copy
+        return torch.from_numpy(np.asarray(read_initializer(t), dtype=np.float32))
+    return torch.from_numpy(np.array(numpy_helper.to_array(t), dtype=np.float32, copy=True))
 
 
 def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.device, None] = None) -> QuantizedModel:

@@ -105,7 +105,9 @@ class _Found:
 
 
 def _array(init: onnx.TensorProto) -> np.ndarray:
-    return numpy_helper.to_array(init)
+    from ..lift.normalize import read_initializer  # numpy_helper.to_array, or from its file (streaming)
+
+    return read_initializer(init)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:

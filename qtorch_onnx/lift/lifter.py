@@ -18,7 +18,7 @@ from ..errors import ModelError, UnsupportedOpsError
 from . import converters as _conv
 from . import recurrent as _recurrent  # noqa: F401  (registers the LSTM/GRU/RNN converters)
 from . import control_flow as _control_flow  # noqa: F401  (registers the If/Loop/Scan converters)
-from .normalize import large_initializers
+from .normalize import _PLAIN_TYPES, is_unloaded, large_initializers, read_external_bytes, read_initializer
 from .fusion import normalize_and_fuse
 from .ops_common import tensor_from_proto
 from .tensor_map import ModelInfo, TensorMap, TensorRef, _same_values, match_parameter
@@ -30,8 +30,16 @@ _PRESERVED = "_user_preserved_attributes"  # torch.fx.graph_module's key for att
 def load_model(model_or_path: ModelLike) -> onnx.ModelProto:
     """Return the ModelProto itself, or load it from a path (external data resolved beside the file).
 
+    Streaming (a path to a model with external data past protobuf's limit): the initializers that
+    :func:`~qtorch_onnx.lift.normalize.large_initializers` names and whose data is external stay in their
+    file, unloaded (:func:`~qtorch_onnx.lift.normalize.is_unloaded`: their ``location`` is made the file's
+    absolute path); normalization, shape inference and fusion run without their bytes, and the lifter reads
+    each one once, into its torch tensor (:func:`~qtorch_onnx.lift.normalize.read_initializer`). Every other
+    external tensor is loaded. The files are only read.
+
     Raises:
-        ModelError: the path does not exist or the file is not an ONNX model (names the file).
+        ModelError: the path does not exist, the file is not an ONNX model, or an external data file is missing
+            or shorter than a tensor needs (names the file and the tensor).
     """
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
@@ -50,26 +58,35 @@ def load_model(model_or_path: ModelLike) -> onnx.ModelProto:
     return model
 
 
+def _external_tensors(graph: onnx.GraphProto):
+    """Every tensor of ``graph`` (initializers, tensor attributes, subgraphs, recursively) whose data is in an
+    external file."""
+    from onnx.external_data_helper import uses_external_data
+
+    def all_tensors(g):
+        yield from g.initializer
+        for n in g.node:
+            for a in n.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                for sg in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from all_tensors(sg)
+
+    return [t for t in all_tensors(graph) if uses_external_data(t)]
+
+
 def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    """Read the initializers stored in external data files (ONNX's external data format) beside ``path``.
+    """Read the tensors stored in external data files (ONNX's external data format) beside ``path``, except the
+    large initializers of a model past protobuf's limit, which stay in their file (see :func:`load_model`).
 
     Raises:
         ModelError: an external data file that is missing, or shorter than a tensor's offset + length (names
             the tensor and the file).
     """
-    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
+    from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor, uses_external_data
 
-    def all_tensors(graph):
-        yield from graph.initializer
-        for n in graph.node:
-            for a in n.attribute:
-                if a.HasField("t"):
-                    yield a.t
-                yield from a.tensors
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield from all_tensors(g)
-
-    tensors = [t for t in all_tensors(model.graph) if uses_external_data(t)]
+    tensors = _external_tensors(model.graph)
     if not tensors:
         return
     base = path.parent
@@ -84,10 +101,36 @@ def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
         if end > size:
             raise ModelError(f"{str(path)!r}: tensor {t.name!r} needs bytes {info.offset or 0}..{end} of the external "
                              f"data file {str(f)!r}, which has {size} bytes (truncated?)")
-    try:
-        load_external_data_for_model(model, str(base))
-    except Exception as exc:
-        raise ModelError(f"{str(path)!r}: reading its external data from {str(base)!r} failed: {exc}") from exc
+    stay = {t.name for t in large_initializers(model) if uses_external_data(t)
+            and (t.data_type in _PLAIN_TYPES or any(e.key == "length" for e in t.external_data))}
+    folder = base.resolve()
+    for t in model.graph.initializer:
+        if t.name in stay:  # streamed: the absolute path makes the stub self-contained (normalize.is_unloaded)
+            info = ExternalDataInfo(t)
+            where = (base / info.location).resolve()
+            if Path(info.location).is_absolute() or not where.is_relative_to(folder):
+                # ONNX's rule (onnx.external_data_helper): the data lives in the model's folder
+                raise ModelError(f"{str(path)!r}: tensor {t.name!r} names the external data file "
+                                 f"{info.location!r}, outside the model's folder {str(folder)!r}")
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = str(where)
+            if not any(e.key == "length" for e in t.external_data):
+                t.external_data.add(key="length", value=str(_nbytes(t)))
+    for t in tensors:
+        if is_unloaded(t):
+            continue
+        try:
+            load_external_data_for_tensor(t, str(base))
+        except Exception as exc:
+            raise ModelError(f"{str(path)!r}: reading tensor {t.name!r} from its external data file in "
+                             f"{str(base)!r} failed: {exc}") from exc
+
+
+def _nbytes(t: onnx.TensorProto) -> int:
+    import math
+
+    return math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
 def _opsets(model: onnx.ModelProto) -> dict[str, int]:
@@ -100,7 +143,9 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
     bfloat16, float8, int4/uint4, int2/uint2, float4/float6, E8M0) becomes a graph input of the same
     name, element type and shape (appended after the real inputs, initializer order); in a model past
     protobuf's size limit, so do its large initializers (:func:`~qtorch_onnx.lift.normalize.large_initializers`:
-    onnx2torch serializes the model it converts, which protobuf cannot do past 2 GiB).
+    onnx2torch serializes the model it converts, which protobuf cannot do past 2 GiB), and so does every
+    initializer still in its external data file (:func:`~qtorch_onnx.lift.normalize.is_unloaded`): the lifter
+    reads it once, into the buffer bound to its input.
 
     Why: onnx2torch turns every initializer a module reads into a buffer through
     ``OnnxTensor.to_torch`` (``torch.from_numpy`` of ``numpy_helper.to_array``), which fails on the
@@ -120,6 +165,9 @@ def conversion_view(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
     # onnx2torch sizes (serializes) the model it is given, which protobuf cannot do past 2 GiB: the large
     # initializers of such a model reach it as graph inputs too, bound to their tensors like the others
     moved += [t for t in large_initializers(model) if t.data_type not in _conv.NUMPY_LESS_TYPES]
+    # initializers left in their external data file (streaming) too, whatever the model's size now
+    seen = {t.name for t in moved}
+    moved += [t for t in model.graph.initializer if is_unloaded(t) and t.name not in seen]
     if not moved:
         return model, []
     view = onnx.ModelProto()
@@ -412,6 +460,43 @@ def _route_domains(model: onnx.ModelProto) -> dict[str, str]:
     return {after[i]: before[i] for i in routed}
 
 
+class _InitializerValues:
+    """``name -> torch tensor`` of a graph's initializers in the lifter's dtype convention
+    (:func:`~qtorch_onnx.lift.ops_common.tensor_from_proto`), decoded up front, except the initializers still in
+    their external data file (streaming): each is read from it (:func:`~qtorch_onnx.lift.normalize.read_initializer`)
+    when first needed."""
+
+    def __init__(self, initializers) -> None:
+        self._protos = {t.name: t for t in initializers}
+        self._values: dict = {name: tensor_from_proto(t) for name, t in self._protos.items() if not is_unloaded(t)}
+
+    def __contains__(self, name) -> bool:
+        return name in self._protos
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._values.get(name)
+        if value is None:
+            value = self._values[name] = self._read(self._protos[name])
+        return value
+
+    @staticmethod
+    def _read(t: onnx.TensorProto) -> torch.Tensor:
+        if t.data_type in _PLAIN_TYPES:
+            return torch.from_numpy(read_initializer(t))  # straight from the file into the tensor's memory
+        loaded = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+        loaded.raw_data = read_external_bytes(t).tobytes()
+        return tensor_from_proto(loaded)
+
+    def take(self, name: str) -> torch.Tensor:
+        """A tensor of its own for a buffer: a copy of the decoded value, or, for an initializer still in its
+        file, the value read from it (not kept: the weight is held once, by the buffer)."""
+        t = self._protos[name]
+        if is_unloaded(t):
+            value = self._values.pop(name, None)
+            return value if value is not None else self._read(t)
+        return self[name].clone()
+
+
 def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
     """onnx2torch conversion plus the lifter's fix-ups; returns ``(gm, refs, modules)``.
 
@@ -436,8 +521,9 @@ def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
 
     ograph = OnnxGraph(to_convert.graph)  # the graph onnx2torch converted (module names derive from it)
     onnx_nodes = {renames.get(uname, uname): onode for uname, onode in ograph.nodes.items()}
-    # every initializer of the normalized graph, in the lifter's dtype convention (the moved ones included)
-    init_values = {t.name: tensor_from_proto(t) for t in g.initializer}
+    # every initializer of the normalized graph, in the lifter's dtype convention (the moved ones included);
+    # decoded when first needed, and an unloaded one (streaming) read from its file then, once
+    init_values = _InitializerValues(g.initializer)
 
     # ---- modules of overridden nodes: back to the plain node name
     graph = gm.graph
@@ -472,7 +558,7 @@ def _lift_graph(normalized: onnx.ModelProto, *, subgraph: bool):
             attr = f"onnx_typed_initializer_{i}"
             if not hasattr(gm, "initializers"):  # GraphModule keeps onnx2torch's container only when used
                 gm.add_module("initializers", torch.nn.Module())
-            gm.initializers.register_buffer(attr, init_values[name].clone())
+            gm.initializers.register_buffer(attr, init_values.take(name))
             with graph.inserting_before(first_op):
                 node = graph.get_attr(f"initializers.{attr}")
             ph.replace_all_uses_with(node)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from typing import Iterable
 
@@ -155,6 +156,94 @@ def large_initializers(model: onnx.ModelProto) -> list:
     if total <= BIG_MODEL_BYTES:
         return []
     return [t for t in model.graph.initializer if math.prod(t.dims) > LARGE_INITIALIZER_ELEMENTS]
+
+
+def is_unloaded(t: onnx.TensorProto) -> bool:
+    """True for an initializer left in its external data file by :func:`~qtorch_onnx.lift.lifter.load_model`
+    (streaming: ONNX external data whose ``location`` is an absolute path, set by the loader). Such a tensor
+    has dims and element type but no data in memory; :func:`read_initializer` reads it."""
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return False
+    loc = next((e.value for e in t.external_data if e.key == "location"), "")
+    return os.path.isabs(loc)
+
+
+def external_span(t: onnx.TensorProto) -> tuple[str, int, int]:
+    """``(file, offset, length)`` of an unloaded initializer's bytes (length from dims and element type when
+    the tensor does not record it)."""
+    info = {e.key: e.value for e in t.external_data}
+    offset = int(info.get("offset", 0) or 0)
+    if "length" in info:
+        length = int(info["length"])
+    else:
+        length = math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return info["location"], offset, length
+
+
+#: element types read straight from an external data file into a numpy array (little-endian, ONNX's layout)
+_PLAIN_TYPES = frozenset({
+    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.INT32,
+    onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL,
+})
+
+
+def read_external_bytes(t: onnx.TensorProto, into=None):
+    """Read the bytes of an unloaded initializer (see :func:`is_unloaded`) from its file, once.
+
+    Args:
+        t: the tensor (not modified).
+        into: optional writable contiguous numpy array of exactly ``length`` bytes to read into.
+
+    Returns:
+        ``into`` (filled), or a new ``uint8`` array of ``length`` bytes.
+
+    Raises:
+        ModelError: the file is missing, or shorter than offset + length (names the tensor and the file).
+    """
+    path, offset, length = external_span(t)
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise ModelError(f"tensor {t.name!r} is stored in the external data file {path!r}, which cannot be read "
+                         f"({exc.strerror or exc})") from exc
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:
+            raise ModelError(f"tensor {t.name!r} needs bytes {offset}..{offset + length} of the external data file "
+                             f"{path!r}, which has {size} bytes (truncated?)")
+        buf = np.empty(length, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
+        if buf.nbytes != length:
+            raise ModelError(f"internal: reading tensor {t.name!r} into {buf.nbytes} bytes, it has {length}")
+        f.seek(offset)
+        view, done = memoryview(buf), 0
+        while done < length:
+            n = f.readinto(view[done:])
+            if not n:
+                raise ModelError(f"tensor {t.name!r}: the external data file {path!r} ended at byte {offset + done}, "
+                                 f"the tensor needs {offset + length} (truncated while reading?)")
+            done += n
+    return buf
+
+
+def read_initializer(t: onnx.TensorProto) -> np.ndarray:
+    """The value of an initializer as numpy (``onnx.numpy_helper.to_array``'s dtypes), its data read from the
+    external data file when it is unloaded (:func:`is_unloaded`; one read, straight into the array for plain
+    numeric types); ``t`` is never modified. The array of an unloaded tensor is new and writable.
+
+    Raises:
+        ModelError: the external data file is missing or too short (names the tensor and the file).
+    """
+    if not is_unloaded(t):
+        return numpy_helper.to_array(t)
+    if t.data_type in _PLAIN_TYPES:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).newbyteorder("<")
+        arr = np.empty(tuple(t.dims), dtype)
+        read_external_bytes(t, into=arr)
+        return arr if dtype.isnative else arr.astype(dtype.newbyteorder("="))
+    tmp = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+    tmp.raw_data = read_external_bytes(t).tobytes()
+    return numpy_helper.to_array(tmp)
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -308,7 +397,7 @@ def _scalar_axes_to_1d(graph: onnx.GraphProto) -> None:
             while name in taken:
                 name, j = f"{t.name}_1d{j}", j + 1
             taken.add(name)
-            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(t).reshape(1), name))
+            graph.initializer.append(numpy_helper.from_array(read_initializer(t).reshape(1), name))
             made[t.name] = name
         node.input[k] = made[t.name]
     used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
@@ -499,13 +588,13 @@ def _fold_batchnorm(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
         if any(n not in inits for n in list(conv.input[1:]) + list(bn.input[1:])):
             continue
         w_proto = inits[conv.input[1]]
-        w = numpy_helper.to_array(w_proto)
+        w = read_initializer(w_proto)
         if w.dtype.kind != "f":
             continue
-        scale, beta, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:])
+        scale, beta, mean, var = (read_initializer(inits[n]).astype(np.float64) for n in bn.input[1:])
         eps = float(_get_attr(bn, "epsilon", 1e-5))
         s = scale / np.sqrt(var + eps)
-        b = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 else 0.0
+        b = read_initializer(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 else 0.0
         w_new = (w.astype(np.float64) * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
         b_new = ((b - mean) * s + beta).astype(w.dtype)
 
