@@ -184,7 +184,7 @@ def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -
     was = qm.training
     qm.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _weights_cached():
             device = qm.device
             dyn = all(s.batch_dynamic for s in specs)
             sizes = [int(s[0].shape[0]) for s in samples]
@@ -306,7 +306,7 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
     batch_list = list(_data.batches(samples, specs, batch_size if dyn else 1))
     bar = tqdm(total=len(batch_list) * len(patches), desc=desc, disable=not progress, leave=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _weights_cached():
             for batch in batch_list:
                 n_b = int(batch[0].shape[0])
                 env: Dict[Any, Any] = {ph: t.to(qm.device) for ph, t in zip(placeholders, batch)}
@@ -406,10 +406,28 @@ class MixedPrecisionPlan:
 
 
 # ------------------------------------------------------------------------------------------------ building
-class _Builder:
-    """Lifts the model once; builds calibrated models for any set of promoted nodes."""
+def _observer_key(fq) -> Tuple[Any, ...]:
+    """What an activation quantizer's calibration statistics depend on: the tensor it observes, the observer's
+    class and its options (a fresh observer's public attributes: axis, moving average, bins, the format of a
+    power-of-two observer, ...). Calibration runs the float model (every quantizer passes its input through),
+    so two quantizers with the same key, in any two builds from the same lifted graph, observe the same values
+    in the same batches and end with the same statistics."""
+    obs = fq.observer
+    opts = tuple(sorted((k, repr(v)) for k, v in vars(obs).items() if not k.startswith("_") and k != "name"))
+    return (fq.tensor_name, type(obs).__module__, type(obs).__qualname__, opts)
 
-    def __init__(self, model, cfg, calib_samples, device, progress: bool):
+
+class _Builder:
+    """Lifts the model once; builds calibrated models for any set of promoted nodes.
+
+    Calibration observes the float model, so an observer's statistics depend only on the tensor, the observer's
+    kind and options, and the data (:func:`_observer_key`), not on which layers are narrow. The first builds
+    (all-wide, all-narrow) calibrate; a later build whose every observer has a calibrated twin takes a copy of
+    the twin's statistics and derives its parameters from them (:func:`qtorch_onnx.quantizer.finalize_qparams`:
+    ranges, shared and fixed ranges, overrides, INT32 bias scales of *this* placement) without a forward pass.
+    ``calibrations`` counts the builds that ran the calibration data."""
+
+    def __init__(self, model, cfg, calib_samples, device, progress: bool, reuse_calibration: bool = True):
         from ..quantizer import lift_float
 
         self.cfg = cfg
@@ -419,7 +437,10 @@ class _Builder:
         self.device = device
         self.progress = progress
         self.builds = 0
+        self.calibrations = 0
+        self.reuse_calibration = reuse_calibration
         self._promoted: Dict[Any, Any] = {}
+        self._observers: Dict[Tuple[Any, ...], Any] = {}  # _observer_key -> a calibrated observer
 
     def build(self, cfg):
         from ..placement import plan_quantization
@@ -431,9 +452,33 @@ class _Builder:
         if self.device is not None:
             qm.to(self.device)
         if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
-            calibrate(qm, self.calib, progress=False)
+            observed = [(fq, _observer_key(fq)) for fq in qm.quantizers().values() if fq.calibratable]
+            if not (self.reuse_calibration and self._reuse(qm, observed)):
+                calibrate(qm, self.calib, progress=False)
+                self.calibrations += 1
+                for fq, key in observed:
+                    self._observers.setdefault(key, fq.observer)
         self.builds += 1
         return qm
+
+    def _reuse(self, qm, observed) -> bool:
+        """Calibrate ``qm`` from the statistics of earlier builds (as :func:`qtorch_onnx.calibrate` leaves it:
+        parameters set, observers frozen); False (``qm`` untouched) when some observer has no twin."""
+        from ..quantizer import finalize_qparams
+
+        if not observed or any(key not in self._observers for _, key in observed):
+            return False
+        t0 = time.perf_counter()
+        skipped = {k for k, fq in qm.quantizers().items()
+                   if fq.role == "activation" and fq.observer is not None and not fq.calibratable}
+        for fq, key in observed:
+            fq.observer = copy.deepcopy(self._observers[key])
+        finalize_qparams(qm, skip=skipped)
+        for fq, _ in observed:  # statistics frozen, as calibrate() leaves them
+            fq._observer_enabled = False
+            fq._observer_auto_off = True
+        qm.stage_times["calibrate"] = time.perf_counter() - t0
+        return True
 
     def wide(self):
         return self.build(dataclasses.replace(self.cfg, auto_mixprecision=None))
@@ -513,19 +558,72 @@ def _bits(fmt: Format) -> float:
     return 16.0
 
 
-class _Patch:
-    """Switches one layer of the wide model to the narrow model's quantizers, and back."""
+class _ModelIndex:
+    """What :class:`_Patch` looks up on a model, computed once per model instead of once per patch: its layers
+    by name, its quantizers by key, the modules owning each quantizer slot, and the owner of every weight
+    parametrization (for the parametrization cache of :func:`_weights_cached`)."""
 
-    def __init__(self, wide, narrow, name: str):
+    def __init__(self, qm):
+        from ..fakequant import FakeQuantize, ParamQuantizer
+
+        self.layers = {l.name: l for l in qm.layers()}
+        self.quantizers = qm.quantizers()
+        self.slots: Dict[int, List[Tuple[Any, str]]] = {}  # id(quantizer) -> [(holder module, attribute)]
+        self.param_owner: Dict[int, Tuple[int, str]] = {}  # id(ParamQuantizer) -> (id(owner module), tensor)
+        for mod in qm.modules():
+            for attr, child in mod._modules.items():
+                if isinstance(child, FakeQuantize):
+                    self.slots.setdefault(id(child), []).append((mod, attr))
+            plists = getattr(mod, "parametrizations", None)
+            if plists is not None and isinstance(plists, torch.nn.ModuleDict):
+                for tname, plist in plists.items():
+                    for pq in plist:
+                        if isinstance(pq, ParamQuantizer):
+                            self.param_owner[id(pq)] = (id(mod), tname)
+
+
+def _forget_cached(keys: Sequence[Tuple[int, str]]) -> None:
+    """Drop these ``(id(module), tensor)`` entries from torch's parametrization cache (a swapped weight or bias
+    quantizer must be evaluated again, see :func:`_weights_cached`)."""
+    from torch.nn.utils import parametrize
+
+    cache = getattr(parametrize, "_cache", None)
+    if isinstance(cache, dict):
+        for k in keys:
+            cache.pop(k, None)
+
+
+def _weights_cached():
+    """Context in which each parametrized (fake-quantized) weight and bias is computed once and reused by every
+    later read (``torch.nn.utils.parametrize.cached``): evaluation passes without autograd re-quantized every
+    weight on every batch and every sensitivity suffix. The cached value is the parametrization's output, so
+    results are bit-identical; :class:`_Patch` drops the entries of the quantizers it swaps."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.cached()
+
+
+class _Patch:
+    """Switches one layer of the wide model to the narrow model's quantizers, and back.
+
+    ``wide_index`` / ``narrow_index``: :class:`_ModelIndex` of the two models (computed here when not given;
+    give them when patching many layers of the same models)."""
+
+    def __init__(self, wide, narrow, name: str, wide_index: Optional[_ModelIndex] = None,
+                 narrow_index: Optional[_ModelIndex] = None):
         self.wide, self.narrow, self.name = wide, narrow, name
-        wl = {l.name: l for l in wide.layers()}[name]
-        nl = {l.name: l for l in narrow.layers()}[name]
+        wix = wide_index if wide_index is not None else _ModelIndex(wide)
+        nix = narrow_index if narrow_index is not None else _ModelIndex(narrow)
+        self._wix = wix
+        wl = wix.layers[name]
+        nl = nix.layers[name]
         self.layer = wl
         self.swaps: List[Tuple[Any, str, Any, Any]] = []  # (owner, attribute, old, new)
         self.acts: List[Tuple[int, Any]] = []
+        self.cache_keys: List[Tuple[int, str]] = []  # parametrization cache entries the swaps make stale
         info = wide.tensor_map.graph.nodes[name]
-        nfq = narrow.quantizers()
-        wfq = wide.quantizers()
+        nfq = nix.quantizers
+        wfq = wix.quantizers
         inits = set(wide.plan.info.initializers)
         # weights and biases: swap the module's parametrization, or the own quantizer's slot in the holder
         for wq, nq in ((wl.weight_quantizer, nl.weight_quantizer), (wl.bias_quantizer, nl.bias_quantizer)):
@@ -553,14 +651,15 @@ class _Patch:
         return self.wide.tensor_map.tensor_of_node(a.name)
 
     def _swap_everywhere(self, old_fq, new_fq):
-        for mod in self.wide.modules():
-            for attr, child in list(mod._modules.items()):
-                if child is old_fq:
-                    self.swaps.append((mod, attr, old_fq, new_fq))
+        for mod, attr in self._wix.slots.get(id(old_fq), ()):
+            self.swaps.append((mod, attr, old_fq, new_fq))
+            if id(mod) in self._wix.param_owner:
+                self.cache_keys.append(self._wix.param_owner[id(mod)])
 
     def __enter__(self):
         for mod, attr, _, new in self.swaps:
             mod._modules[attr] = new
+        _forget_cached(self.cache_keys)
         if self.acts and self.layer.module is not None:
             acts = self.acts
 
@@ -577,6 +676,7 @@ class _Patch:
     def __exit__(self, *exc):
         for mod, attr, old, _ in self.swaps:
             mod._modules[attr] = old
+        _forget_cached(self.cache_keys)
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -598,8 +698,10 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
     gradient of ``v . y`` for a random Gaussian ``v``, an unbiased Hutchinson estimate of ``||J delta||^2``;
     one backward pass per sample for all layers)."""
     est = {n: 0.0 for n in names}
-    patches = {n: _Patch(wide, narrow, n) for n in names}
-    layers = {l.name: l for l in wide.layers()}
+    wix, nix = _ModelIndex(wide), _ModelIndex(narrow)
+    patches = {n: _Patch(wide, narrow, n, wix, nix) for n in names}
+    layers = wix.layers
+    narrow_layers = nix.layers
     captured: Dict[str, List[torch.Tensor]] = {}
     handles = []
     for n in names:
@@ -646,7 +748,7 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
                     with torch.no_grad():
                         total += float((g * (acts[n][i](t) - t)).sum())
                 lw, wq = layers[n].weight, layers[n].weight_quantizer
-                nq = {l.name: l for l in narrow.layers()}[n].weight_quantizer
+                nq = narrow_layers[n].weight_quantizer
                 if lw is not None and lw.grad is not None and wq is not None and nq is not None:
                     with torch.no_grad():
                         total += float((lw.grad * (nq.quantize_dequantize(lw.float()) -
@@ -738,7 +840,8 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
     for c in cands:
         cname = _candidate_name(c)
         narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
-        patches = {ls.name: _Patch(qm, narrow, ls.name) for ls in report.layers}
+        wix, nix = _ModelIndex(qm), _ModelIndex(narrow)
+        patches = {ls.name: _Patch(qm, narrow, ls.name, wix, nix) for ls in report.layers}
         outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}")
         for ls in report.layers:
             ls.measured[cname] = fn(float_outs, outs[ls.name])
@@ -761,7 +864,8 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
 class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
-    model builds (each: place, calibrate, evaluate), the time (``stage_seconds``: prepare, sensitivity, search,
+    model builds (each: place, calibrate, evaluate; ``calibrations`` of them ran the calibration data, the others
+    took the statistics of an earlier build, see :class:`_Builder`), the time (``stage_seconds``: prepare, sensitivity, search,
     fill, verify; the builds a step-back in verify needs count in search and in verify), and the ONNX Runtime
     checks of the choice ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned
     mix)."""
@@ -777,6 +881,7 @@ class AutoMixedPrecisionResult:
     verified: List[Tuple[int, float]] = field(default_factory=list)
     fill_passes: int = 0
     stage_seconds: Dict[str, float] = field(default_factory=dict)
+    calibrations: int = 0
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -792,6 +897,7 @@ class AutoMixedPrecisionResult:
         doc = {"metric": self.sensitivity.metric, "target": self.plan.target, "value": self.plan.value,
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
+               "calibrations": self.calibrations,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
                "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
                "fill_forward_passes": self.fill_passes, "stage_seconds": self.stage_seconds,
@@ -1047,9 +1153,11 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                 t_fill = time.perf_counter()
                 base, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
                 accepted, active = [], []
+                nix = _ModelIndex(narrow_model)
                 try:
                     for name in order[k + 1:]:
-                        patch = _Patch(base, narrow_model, name).__enter__()
+                        # the base's index afresh: the patches already on have swapped some of its slots
+                        patch = _Patch(base, narrow_model, name, _ModelIndex(base), nix).__enter__()
                         fill_passes += 1
                         if fn(float_outs, run_outputs(base, evals, output_index)) <= target:
                             accepted.append(name)
@@ -1114,7 +1222,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
                                       message=message, verified=verified, fill_passes=fill_passes,
-                                      stage_seconds=stage_seconds)
+                                      stage_seconds=stage_seconds, calibrations=builder.calibrations)
     search_bar.close()
     qm.auto_mp_result = result
     if report_dir is not None:

@@ -302,3 +302,57 @@ def test_fill_adds_the_layers_after_a_misranked_one(monkeypatch):
     _, fn = resolve_metric("l2")
     assert fn(f, run_outputs(qm1, s, 0)) <= target and r1.plan.value <= target
     assert sorted(qm1.config.auto_mixprecision.promoted_nodes) == sorted(p1.promoted_nodes)
+
+
+def _qparams_bits(qm):
+    """Every quantizer's scale and zero point, as raw integer views (bit-exact comparison)."""
+    import torch
+
+    out = {}
+    for k, fq in qm.quantizers().items():
+        sc = fq.scale.detach().float().contiguous()
+        out[k] = (str(fq.fmt.name), fq.calibrated, tuple(sc.view(torch.int32).reshape(-1).tolist()),
+                  tuple(fq.zero_point.detach().reshape(-1).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("model, data, wide, narrow, dual", [
+    ("cnn", "calib", "A16W8", ("INT8", "INT4"), False),
+    ("cnn", "calib", "BF16", "BFP16", True),
+    ("token", "token", "A16W8", "INT8", False),
+])
+def test_mixes_reuse_calibration_bit_for_bit(model, data, wide, narrow, dual):
+    """Calibration observes the float model, so a mix built from the all-wide and all-narrow statistics (no
+    calibration pass) gets exactly the scales, zero points (INT32 bias scales and DualQuantNodes boundaries
+    included) and outputs of the same mix calibrated on the data."""
+    from qtorch_onnx.algorithms import mixed_precision as mp
+    from qtorch_onnx.formats.spec import get_format
+    from qtorch_onnx.quantizer import resolve
+
+    from qtorch_onnx.data import input_specs
+    from qtorch_onnx.lift import load_model
+
+    m = cnn() if model == "cnn" else token_block()
+    samples = to_samples(calib_data(8) if data == "calib" else token_data(8), input_specs(load_model(m)))
+    cfg = resolve(wide)
+    a, w = (narrow, narrow) if isinstance(narrow, str) else narrow
+    a, w = get_format(a), get_format(w)
+    reuse = mp._Builder(m, cfg, samples, None, False)
+    fresh = mp._Builder(m, cfg, samples, None, False, reuse_calibration=False)
+    wide_qm = reuse.wide()
+    names = [l.name for l in wide_qm.layers(mp.DEFAULT_TARGET_OPS)]
+    first = reuse.calibrations  # 1 (BF16 with BFP16: nothing to calibrate, 0)
+    assert first <= 1
+    checked = 0
+    for subset in [names] + [names[:k] for k in range(1, len(names))] + [names[k:] for k in range(1, len(names))]:
+        got = reuse.promoted(subset, a, w, mp.DEFAULT_TARGET_OPS, dual)
+        want = fresh.promoted(subset, a, w, mp.DEFAULT_TARGET_OPS, dual)
+        assert _qparams_bits(got) == _qparams_bits(want), subset
+        s = samples[:3]
+        for x, y in zip(run_outputs(got, s, 0), run_outputs(want, s, 0)):
+            assert np.array_equal(x[0].view(np.uint32), y[0].view(np.uint32))
+        checked += 1
+    # the mixes ran no calibration pass; the fresh builder calibrated each one it had to
+    assert reuse.calibrations == first and fresh.calibrations == (checked if first else 0)
+    # not vacuous: a mix differs from the all-wide model
+    assert _qparams_bits(reuse.promoted(names[:1], a, w, mp.DEFAULT_TARGET_OPS, dual)) != _qparams_bits(wide_qm)
