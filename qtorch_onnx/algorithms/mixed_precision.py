@@ -14,9 +14,13 @@ go narrow: the first probes sit where the single-layer effects, added up, put th
 then (``fill``) each layer after the first one that broke the target is tried on the chosen mix, one forward
 pass each, and the layers that fit are built into the final set.
 Every probe is a real mixed model (placed by the layer-wise machinery with exactly those nodes promoted, so
-precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated and evaluated: O(log L)
-full evaluations. The choice is then exported and measured again in ONNX Runtime; while it misses the target
-there, one layer fewer goes narrow. Quark 0.13 promotes one node at a time with a full ONNX Runtime pass each:
+precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated (from the statistics of the
+first build: calibration observes the float model, see ``_Builder``) and evaluated: O(log L) full
+evaluations. By default (``verify="onnxruntime"``) each probe is exported and measured in ONNX Runtime against
+the float model run there, where the target is checked: the quantizers are bit-exact there but the float
+operators between them are not, and near the target that difference decides (the torch emulation of
+EfficientNet-Lite0 read 18.113 where ONNX Runtime read 18.051). The emulation serves the sensitivity sweep and
+``fill``'s one-by-one screening. Quark 0.13 promotes one node at a time with a full ONNX Runtime pass each:
 O(L).
 
 The sensitivity pass is one sweep of the wide model per batch: where a layer's switched quantizers first
@@ -866,9 +870,9 @@ class AutoMixedPrecisionResult:
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
     model builds (each: place, calibrate, evaluate; ``calibrations`` of them ran the calibration data, the others
     took the statistics of an earlier build, see :class:`_Builder`), the time (``stage_seconds``: prepare, sensitivity, search,
-    fill, verify; the builds a step-back in verify needs count in search and in verify), and the ONNX Runtime
-    checks of the choice ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned
-    mix)."""
+    fill, verify: the part of the probes spent exporting and running ONNX Runtime, not counted in search), and
+    ``verified``: ``[(number of narrow layers, metric in ONNX Runtime)]`` of the returned mix (empty without
+    ``verify`` and in the budget form)."""
 
     plan: MixedPrecisionPlan
     sensitivity: SensitivityReport
@@ -980,10 +984,14 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             promotion, without its O(L) full builds).
         gradient: also compute the sensitivity's one-backward-pass estimate and its Spearman agreement with
             the measured ranking (reported; the search uses the measurement).
-        verify: ``"onnxruntime"`` (default): the chosen mix is exported and its metric measured again in ONNX
-            Runtime against the float model run in ONNX Runtime, on the evaluation data; while it misses the
-            target there, one layer fewer goes narrow (the quantizers are bit-exact in ONNX Runtime, the float
-            operators between them are not: near the target that difference decides). None: emulation only.
+        verify: ``"onnxruntime"`` (default): every probe (all-wide, all-narrow, each mix of the search) is
+            exported and its metric measured in ONNX Runtime on ``execution_providers`` against the float model
+            run in ONNX Runtime, on the evaluation data: the target holds there for the returned mix by
+            construction (the quantizers are bit-exact in ONNX Runtime, the float operators between them are
+            not: near the target that difference decides). ``fill`` screens in the emulation, shifted by its
+            offset from ONNX Runtime at the chosen mix, and the set it finds is measured in ONNX Runtime like
+            every probe (the largest prefix of it that meets the target, by bisection, when the whole set does
+            not). None: everything in the torch emulation.
 
     Returns:
         ``(plan, qm, result)``: the :class:`MixedPrecisionPlan`, the calibrated mixed model (ready to export),
@@ -1037,13 +1045,21 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     cname = _candidate_name((act_n, w_n))
     from ..training import fake_quant_disabled
 
-    with fake_quant_disabled(qm_wide):
-        float_outs = run_outputs(qm_wide, evals, output_index)
     # until the sensitivity is measured (only when the search needs it): graph order, nothing measured
     sens = SensitivityReport(metric=mname, baseline=math.nan, layers=_layer_entries(qm_wide, names, [(act_n, w_n)]),
                              candidates=[cname])
     order = list(names)
     layer_bytes = {l.name: l.weight_bytes for l in sens.layers}
+    torch_ref: List[Any] = []  # [float outputs, all-wide metric] of the torch emulation, when first needed
+    ort_ref: List[Outputs] = []  # the float model's outputs in ONNX Runtime, when first needed
+    eps = tuple(cfg.execution_providers)
+
+    def emulation_reference() -> Tuple[Outputs, float]:
+        if not torch_ref:
+            with fake_quant_disabled(qm_wide):
+                f = run_outputs(qm_wide, evals, output_index)
+            torch_ref.extend([f, fn(f, run_outputs(qm_wide, evals, output_index))])
+        return torch_ref[0], torch_ref[1]
 
     def measure_sensitivity() -> None:
         nonlocal sens, order
@@ -1053,12 +1069,33 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
                            output_index=output_index, target_op_type=target_op_type, progress=progress,
                            dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder,
-                           _reference=(float_outs, cache[0][0]))
+                           _reference=emulation_reference())
         order = sens.order()
         stage_seconds["sensitivity"] += time.perf_counter() - t_sens
 
     def size(k: int) -> float:
         return sum(layer_bytes[n][cname] if i < k else layer_bytes[n]["wide"] for i, n in enumerate(order))
+
+    def plan_for(j: int, value: Optional[float]) -> MixedPrecisionPlan:
+        return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
+                                  dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
+                                  metric=mname, value=value, target=target)
+
+    def measure(qm_k, j: int) -> float:
+        """The metric of mix ``qm_k`` (``j`` narrow): in ONNX Runtime (exported; against the float model run
+        there) with ``verify``, else in the torch emulation."""
+        if not verify:
+            return fn(emulation_reference()[0], run_outputs(qm_k, evals, output_index))
+        from ..export import export as _export
+
+        t_ort = time.perf_counter()
+        if not ort_ref:
+            ort_ref.append(_ort_outputs(proto, evals, output_index, eps))
+        if j > 0:
+            qm_k.config = plan_for(j, None).apply(cfg)
+        v = fn(ort_ref[0], _ort_outputs(_export(qm_k, check=False), evals, output_index, eps))
+        stage_seconds["verify"] += time.perf_counter() - t_ort
+        return v
 
     evaluated: List[Tuple[int, float, float]] = []
     cache: Dict[int, Tuple[float, Any]] = {}  # k -> (metric, model): k = 0 and k = n do not depend on the order
@@ -1074,20 +1111,31 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         if k not in cache:
             if 0 < k < n:
                 measure_sensitivity()
-            t_probe = time.perf_counter()
+            t_probe, t_ort = time.perf_counter(), stage_seconds["verify"]
             qm_k = qm_wide if k == 0 else builder.promoted(order[:k], act_n, w_n, target_op_type, dual_quant_nodes)
-            v = fn(float_outs, run_outputs(qm_k, evals, output_index))
+            v = measure(qm_k, k)
             cache[k] = (v, qm_k)
             evaluated.append((k, v, size(k)))
-            stage_seconds["search"] += time.perf_counter() - t_probe
+            stage_seconds["search"] += time.perf_counter() - t_probe - (stage_seconds["verify"] - t_ort)
             search_bar.update(1)
             search_bar.set_postfix_str(f"{k} narrow: {mname} {v:.4g} (target {target if target is not None else '-'})")
         return cache[k]
+
+    def bisect(lo: int, hi: int) -> int:
+        """The k in [lo, hi) where k meets the target and k + 1 does not, given that lo meets it and hi not."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid)[0] <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     n = len(order)
     wide_v, _ = probe(0)
     message = ""
     narrow_v = None
+    where = " in ONNX Runtime" if verify else ""
     if budget_bytes is not None:
         measure_sensitivity()
         fits = [j for j in range(n + 1) if size(j) <= budget_bytes]
@@ -1103,18 +1151,18 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     elif wide_v > target:  # checked before any sensitivity pass: nothing to search
         k = 0
         message = (f"the target {mname} <= {target:g} cannot be met even with every layer wide ({mname} = "
-                   f"{wide_v:.6g}): returning the all-wide model")
+                   f"{wide_v:.6g}{where}): returning the all-wide model")
         warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
         narrow_v = None
     else:
         narrow_v, _ = probe(n)
-        if narrow_v <= target:  # no sensitivity pass needed (unless ONNX Runtime disagrees below)
+        if narrow_v <= target:  # no sensitivity pass needed
             k = n
-            message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g})"
+            message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g}{where})"
         elif search == "exhaustive":
             measure_sensitivity()
             k = max(j for j in range(n + 1) if probe(j)[0] <= target)
-            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; exhaustive)"
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}{where}; exhaustive)"
         else:
             measure_sensitivity()
             lo, hi = 0, n
@@ -1136,30 +1184,28 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                         lo = cand
                     else:
                         hi = cand
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if probe(mid)[0] <= target:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
+            k = bisect(lo, hi)
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}{where}; {k + 1} gives " \
                       f"{cache[k + 1][0]:.6g})"
             if fill and k + 1 < n:
-                # the layers after the first that breaks the target, tried one by one on the chosen mix (its
-                # quantizers swapped in, one forward pass each, kept while the target holds), then the whole
-                # set built and calibrated for real: the sorted order stops at the first too-sensitive layer,
-                # this does not
+                # the layers after the first that breaks the target, tried one by one on the chosen mix in the
+                # emulation (its quantizers swapped in, one forward pass each, kept while the emulated metric,
+                # shifted by the emulation's offset from the measurement at the chosen mix, holds), then the
+                # set built, calibrated and measured like every probe: the sorted order stops at the first
+                # too-sensitive layer, this does not
                 t_fill = time.perf_counter()
-                base, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
+                base_qm, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
+                f_t = emulation_reference()[0]
+                offset = (cache[k][0] - fn(f_t, run_outputs(base_qm, evals, output_index))) if verify else 0.0
+                fill_passes += 1 if verify else 0
                 accepted, active = [], []
                 nix = _ModelIndex(narrow_model)
                 try:
                     for name in order[k + 1:]:
                         # the base's index afresh: the patches already on have swapped some of its slots
-                        patch = _Patch(base, narrow_model, name, _ModelIndex(base), nix).__enter__()
+                        patch = _Patch(base_qm, narrow_model, name, _ModelIndex(base_qm), nix).__enter__()
                         fill_passes += 1
-                        if fn(float_outs, run_outputs(base, evals, output_index)) <= target:
+                        if fn(f_t, run_outputs(base_qm, evals, output_index)) + offset <= target:
                             accepted.append(name)
                             active.append(patch)
                         else:
@@ -1177,46 +1223,19 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                         message += (f"; {len(accepted)} more layers after it fit one by one: {k2} of {n} narrow "
                                     f"({mname} = {cache[k2][0]:.6g})")
                         k = k2
-                    else:
-                        message += (f"; {len(accepted)} more layers fit one by one but not together when "
-                                    f"built ({mname} = {cache[k2][0]:.6g})")
-    def plan_for(j: int) -> MixedPrecisionPlan:
-        return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
-                                  dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
-                                  metric=mname, value=cache[j][0], target=target)
-
+                    else:  # not all of them together: the largest prefix of them that fits
+                        k3 = bisect(k, k2)
+                        message += (f"; {len(accepted)} more layers fit one by one, {k3 - k} of them together "
+                                    f"({k3} of {n} narrow, {mname} = {cache[k3][0]:.6g}; {k2} gives "
+                                    f"{cache[k2][0]:.6g})")
+                        k = k3
     verified: List[Tuple[int, float]] = []
-    if verify and budget_bytes is None and k > 0:
-        # the emulation's choice measured again where it is deployed; one layer fewer while it misses there
-        from ..export import export as _export
-
-        t_verify = time.perf_counter()
-        eps = tuple(cfg.execution_providers)
-        ort_ref = _ort_outputs(proto, evals, output_index, eps)
-        while k > 0:
-            if cache[k][0] <= target:
-                qm_k = cache[k][1]
-                qm_k.config = plan_for(k).apply(cfg)
-                v_ort = fn(ort_ref, _ort_outputs(_export(qm_k, check=False), evals, output_index, eps))
-                verified.append((k, v_ort))
-                if v_ort <= target:
-                    break
-            k -= 1
-            probe(k)
-        stage_seconds["verify"] += time.perf_counter() - t_verify
-        if not verified or verified[-1][1] > target:
-            message += (f"; in ONNX Runtime no mix with narrow layers meets the target (checked "
-                        f"{', '.join(f'{j} narrow: {v:.6g}' for j, v in verified)}): returning all-wide")
-            warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
-        elif len(verified) > 1:
-            message += (f"; in ONNX Runtime {verified[0][0]} narrow gave {verified[0][1]:.6g} > {target:g}, so "
-                        f"{k} narrow ({mname} = {verified[-1][1]:.6g} in ONNX Runtime)")
-        else:
-            message += f"; ONNX Runtime: {mname} = {verified[-1][1]:.6g}"
+    if verify and budget_bytes is None:
+        verified.append((k, cache[k][0]))  # every probe was measured in ONNX Runtime: so is the choice
     for j in sorted({round(i * n / (pareto_points - 1)) for i in range(pareto_points)} if pareto_points > 1 else ()):
         probe(int(j))
     value, qm = cache[k]
-    plan = plan_for(k)
+    plan = plan_for(k, value)
     if k > 0:
         qm.config = plan.apply(cfg)
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
