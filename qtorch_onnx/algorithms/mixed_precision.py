@@ -251,13 +251,16 @@ def _branch_point(nodes: List[Any], const: Dict[Any, bool], node_modules: Dict[A
 
 
 def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str, "_Patch"], progress: bool,
-                     desc: str, batch_size: int = 8) -> Tuple[Dict[str, Outputs], float]:
+                     desc: str, batch_size: int = 8, base_key: Optional[str] = None
+                     ) -> Tuple[Dict[str, Outputs], float]:
     """Outputs of ``qm`` with each patch applied alone, as :func:`run_outputs` gives them, bit for bit.
 
     One sweep of the unpatched model per batch; where a patch's first affected node comes up, the rest of the
     graph (the suffix) runs from the live values with the patch on. The shared prefix runs once instead of once
     per layer: on a chain of L layers about half the node evaluations of L full passes. Returns the outputs per
-    patch name and the fraction of full-pass node evaluations actually executed.
+    patch name (a patch that changes no value gets the unpatched outputs), plus the unpatched model's under
+    ``base_key`` when given (the sweep computes them anyway), and the fraction of full-pass node evaluations
+    actually executed.
     """
     from torch import fx
     from tqdm.auto import tqdm
@@ -302,8 +305,12 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
     specs = qm.input_specs
     dyn = all(s.batch_dynamic for s in specs)
     sizes = [int(s[0].shape[0]) for s in samples]
-    outs: Dict[str, Outputs] = {name: [] for name in patches}
-    pos: Dict[str, int] = {name: 0 for name in patches}
+    if base_key is not None and base_key in patches:
+        raise ConfigError(f"_patched_outputs: base_key {base_key!r} is also a patch name")
+    keys = list(patches) + ([base_key] if base_key is not None else [])
+    outs: Dict[str, Outputs] = {name: [] for name in keys}
+    pos: Dict[str, int] = {name: 0 for name in keys}
+    unchanged = list(starts.get(len(nodes), ())) + ([base_key] if base_key is not None else [])
     executed, full = 0, 0
     was = qm.training
     qm.eval()
@@ -323,6 +330,11 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
                         pos[name] = _append_outputs(outs[name], y, n_b, sizes, pos[name], output_index, dyn)
                         bar.update(1)
                     if n.op == "output":
+                        if unchanged:
+                            y = run(env, i)
+                            executed += 1
+                            for name in unchanged:
+                                pos[name] = _append_outputs(outs[name], y, n_b, sizes, pos[name], output_index, dyn)
                         break
                     if n.op != "placeholder":
                         env[n] = run(env, i)
@@ -829,24 +841,28 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
     names = _target_layer_names(qm, target_op_type)
     from ..training import fake_quant_disabled
 
-    if _reference is not None:  # (float outputs, all-wide metric) already measured by the caller
+    if _reference is not None:  # (float outputs, all-wide metric or None) already measured by the caller
         float_outs, base = _reference
     else:
         with fake_quant_disabled(qm):
             float_outs = run_outputs(qm, samples, output_index)
-        base = fn(float_outs, run_outputs(qm, samples, output_index))
+        base = None  # the all-wide outputs come with the first sweep
     builder = _builder
     if builder is None:
         builder = _Builder(qm.onnx_model, qm.config, calib, qm.device, progress)
-    report = SensitivityReport(metric=name, baseline=base, layers=_layer_entries(qm, names, cands),
-                               candidates=[_candidate_name(c) for c in cands])
-    passes = 0 if _reference is not None else 2
+    report = SensitivityReport(metric=name, baseline=math.nan if base is None else base,
+                               layers=_layer_entries(qm, names, cands), candidates=[_candidate_name(c) for c in cands])
+    passes = 0 if _reference is not None else 1  # the float pass (the all-wide outputs come with the sweep)
     for c in cands:
         cname = _candidate_name(c)
         narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
         wix, nix = _ModelIndex(qm), _ModelIndex(narrow)
         patches = {ls.name: _Patch(qm, narrow, ls.name, wix, nix) for ls in report.layers}
-        outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}")
+        base_key = "\0all-wide" if base is None else None
+        outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}",
+                                      base_key=base_key)
+        if base is None:
+            base = report.baseline = fn(float_outs, outs[base_key])
         for ls in report.layers:
             ls.measured[cname] = fn(float_outs, outs[ls.name])
             passes += 1
@@ -1054,12 +1070,11 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     ort_ref: List[Outputs] = []  # the float model's outputs in ONNX Runtime, when first needed
     eps = tuple(cfg.execution_providers)
 
-    def emulation_reference() -> Tuple[Outputs, float]:
+    def emulation_reference() -> Outputs:
         if not torch_ref:
             with fake_quant_disabled(qm_wide):
-                f = run_outputs(qm_wide, evals, output_index)
-            torch_ref.extend([f, fn(f, run_outputs(qm_wide, evals, output_index))])
-        return torch_ref[0], torch_ref[1]
+                torch_ref.append(run_outputs(qm_wide, evals, output_index))
+        return torch_ref[0]
 
     def measure_sensitivity() -> None:
         nonlocal sens, order
@@ -1069,7 +1084,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
                            output_index=output_index, target_op_type=target_op_type, progress=progress,
                            dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder,
-                           _reference=emulation_reference())
+                           _reference=(emulation_reference(), None))  # all-wide: from the sweep
         order = sens.order()
         stage_seconds["sensitivity"] += time.perf_counter() - t_sens
 
@@ -1085,7 +1100,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         """The metric of mix ``qm_k`` (``j`` narrow): in ONNX Runtime (exported; against the float model run
         there) with ``verify``, else in the torch emulation."""
         if not verify:
-            return fn(emulation_reference()[0], run_outputs(qm_k, evals, output_index))
+            return fn(emulation_reference(), run_outputs(qm_k, evals, output_index))
         from ..export import export as _export
 
         t_ort = time.perf_counter()
@@ -1195,7 +1210,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                 # too-sensitive layer, this does not
                 t_fill = time.perf_counter()
                 base_qm, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
-                f_t = emulation_reference()[0]
+                f_t = emulation_reference()
                 offset = (cache[k][0] - fn(f_t, run_outputs(base_qm, evals, output_index))) if verify else 0.0
                 fill_passes += 1 if verify else 0
                 accepted, active = [], []

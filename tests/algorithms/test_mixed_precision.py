@@ -38,7 +38,11 @@ def test_sensitivity_per_layer_and_candidate():
         assert l.measured["INT8/INT4"] >= l.measured["INT8"] * 0.9  # 4-bit weights cost more
         assert l.weight_bytes["INT8/INT4"] == l.weight_bytes["wide"] / 2
     assert set(rep.spearman) == {"INT8", "INT8/INT4"}
-    assert rep.forward_passes == 2 + 2 * (4 + 1)
+    assert rep.forward_passes == 1 + 2 * (4 + 1)  # float pass; per candidate: 4 layers (the sweep) + gradient
+    s8 = to_samples(calib_data(8), qm.input_specs)
+    with qo.fake_quant_disabled(qm):
+        f8 = run_outputs(qm, s8, 0)
+    assert rep.baseline == resolve_metric("l2")[1](f8, run_outputs(qm, s8, 0))  # the all-wide value, from the sweep
     # the wide model is left as it was
     before = run_outputs(qm, to_samples(calib_data(4), qm.input_specs), 0)
     sensitivity(qm, calib_data(4), ["INT8"], progress=False, gradient=False)
@@ -198,8 +202,10 @@ def test_sensitivity_sweep_is_bit_identical_to_full_passes():
     builder = mp._Builder(qm.onnx_model, qm.config, samples, None, False)
     narrow = builder.promoted(names, get_format("INT8"), get_format("INT4"), mp.DEFAULT_TARGET_OPS, False)
     patches = {n: mp._Patch(qm, narrow, n) for n in names}
-    outs, frac = mp._patched_outputs(qm, samples, 0, patches, False, "test", batch_size=4)
+    outs, frac = mp._patched_outputs(qm, samples, 0, patches, False, "test", batch_size=4, base_key="wide")
     assert 0 < frac < 1
+    for a, b in zip(run_outputs(qm, samples, 0, batch_size=4), outs["wide"]):  # the unpatched outputs too
+        assert np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32))
     changed = 0
     for n in names:
         with patches[n]:
