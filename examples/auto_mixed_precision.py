@@ -113,7 +113,8 @@ def main(argv=None) -> dict:
         path = os.path.join(args.out, f"native_{frac:.2f}.onnx")
         qo.export(qm, path)
         measure(f"native L2<={target:.4f}", path, time.perf_counter() - t0, len(plan.promoted_nodes))
-        print(f"  target {target:.4f}: {res.message}; {res.builds} builds, sensitivity "
+        print(f"  target {target:.4f}: {res.message}; {res.builds} builds ({res.calibrations} calibrated on the "
+              f"data, the others from its statistics), sensitivity "
               f"{res.sensitivity.forward_passes} passes, Spearman(gradient estimate, measured) "
               f"{res.sensitivity.spearman}")
     # the plan again, without a search

@@ -14,9 +14,13 @@ go narrow: the first probes sit where the single-layer effects, added up, put th
 then (``fill``) each layer after the first one that broke the target is tried on the chosen mix, one forward
 pass each, and the layers that fit are built into the final set.
 Every probe is a real mixed model (placed by the layer-wise machinery with exactly those nodes promoted, so
-precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated and evaluated: O(log L)
-full evaluations. The choice is then exported and measured again in ONNX Runtime; while it misses the target
-there, one layer fewer goes narrow. Quark 0.13 promotes one node at a time with a full ONNX Runtime pass each:
+precision boundaries, DualQuantNodes and INT32 biases are as exported), calibrated (from the statistics of the
+first build: calibration observes the float model, see ``_Builder``) and evaluated: O(log L) full
+evaluations. By default (``verify="onnxruntime"``) each probe is exported and measured in ONNX Runtime against
+the float model run there, where the target is checked: the quantizers are bit-exact there but the float
+operators between them are not, and near the target that difference decides (the torch emulation of
+EfficientNet-Lite0 read 18.113 where ONNX Runtime read 18.051). The emulation serves the sensitivity sweep and
+``fill``'s one-by-one screening. Quark 0.13 promotes one node at a time with a full ONNX Runtime pass each:
 O(L).
 
 The sensitivity pass is one sweep of the wide model per batch: where a layer's switched quantizers first
@@ -45,7 +49,7 @@ import torch
 
 from .. import data as _data
 from ..errors import ConfigError, DataError
-from ..formats.spec import BFPFormat, Format, IntFormat, MXFormat
+from ..formats.spec import Format
 
 __all__ = ["sensitivity", "auto_mixed_precision", "SensitivityReport", "MixedPrecisionPlan", "resolve_metric",
            "DEFAULT_TARGET_OPS"]
@@ -184,7 +188,7 @@ def run_outputs(qm, samples, output_index: Optional[int], batch_size: int = 8) -
     was = qm.training
     qm.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _weights_cached():
             device = qm.device
             dyn = all(s.batch_dynamic for s in specs)
             sizes = [int(s[0].shape[0]) for s in samples]
@@ -247,13 +251,16 @@ def _branch_point(nodes: List[Any], const: Dict[Any, bool], node_modules: Dict[A
 
 
 def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str, "_Patch"], progress: bool,
-                     desc: str, batch_size: int = 8) -> Tuple[Dict[str, Outputs], float]:
+                     desc: str, batch_size: int = 8, base_key: Optional[str] = None
+                     ) -> Tuple[Dict[str, Outputs], float]:
     """Outputs of ``qm`` with each patch applied alone, as :func:`run_outputs` gives them, bit for bit.
 
     One sweep of the unpatched model per batch; where a patch's first affected node comes up, the rest of the
     graph (the suffix) runs from the live values with the patch on. The shared prefix runs once instead of once
     per layer: on a chain of L layers about half the node evaluations of L full passes. Returns the outputs per
-    patch name and the fraction of full-pass node evaluations actually executed.
+    patch name (a patch that changes no value gets the unpatched outputs), plus the unpatched model's under
+    ``base_key`` when given (the sweep computes them anyway), and the fraction of full-pass node evaluations
+    actually executed.
     """
     from torch import fx
     from tqdm.auto import tqdm
@@ -298,15 +305,19 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
     specs = qm.input_specs
     dyn = all(s.batch_dynamic for s in specs)
     sizes = [int(s[0].shape[0]) for s in samples]
-    outs: Dict[str, Outputs] = {name: [] for name in patches}
-    pos: Dict[str, int] = {name: 0 for name in patches}
+    if base_key is not None and base_key in patches:
+        raise ConfigError(f"_patched_outputs: base_key {base_key!r} is also a patch name")
+    keys = list(patches) + ([base_key] if base_key is not None else [])
+    outs: Dict[str, Outputs] = {name: [] for name in keys}
+    pos: Dict[str, int] = {name: 0 for name in keys}
+    unchanged = list(starts.get(len(nodes), ())) + ([base_key] if base_key is not None else [])
     executed, full = 0, 0
     was = qm.training
     qm.eval()
     batch_list = list(_data.batches(samples, specs, batch_size if dyn else 1))
     bar = tqdm(total=len(batch_list) * len(patches), desc=desc, disable=not progress, leave=False)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _weights_cached():
             for batch in batch_list:
                 n_b = int(batch[0].shape[0])
                 env: Dict[Any, Any] = {ph: t.to(qm.device) for ph, t in zip(placeholders, batch)}
@@ -319,6 +330,11 @@ def _patched_outputs(qm, samples, output_index: Optional[int], patches: Dict[str
                         pos[name] = _append_outputs(outs[name], y, n_b, sizes, pos[name], output_index, dyn)
                         bar.update(1)
                     if n.op == "output":
+                        if unchanged:
+                            y = run(env, i)
+                            executed += 1
+                            for name in unchanged:
+                                pos[name] = _append_outputs(outs[name], y, n_b, sizes, pos[name], output_index, dyn)
                         break
                     if n.op != "placeholder":
                         env[n] = run(env, i)
@@ -406,10 +422,28 @@ class MixedPrecisionPlan:
 
 
 # ------------------------------------------------------------------------------------------------ building
-class _Builder:
-    """Lifts the model once; builds calibrated models for any set of promoted nodes."""
+def _observer_key(fq) -> Tuple[Any, ...]:
+    """What an activation quantizer's calibration statistics depend on: the tensor it observes, the observer's
+    class and its options (a fresh observer's public attributes: axis, moving average, bins, the format of a
+    power-of-two observer, ...). Calibration runs the float model (every quantizer passes its input through),
+    so two quantizers with the same key, in any two builds from the same lifted graph, observe the same values
+    in the same batches and end with the same statistics."""
+    obs = fq.observer
+    opts = tuple(sorted((k, repr(v)) for k, v in vars(obs).items() if not k.startswith("_") and k != "name"))
+    return (fq.tensor_name, type(obs).__module__, type(obs).__qualname__, opts)
 
-    def __init__(self, model, cfg, calib_samples, device, progress: bool):
+
+class _Builder:
+    """Lifts the model once; builds calibrated models for any set of promoted nodes.
+
+    Calibration observes the float model, so an observer's statistics depend only on the tensor, the observer's
+    kind and options, and the data (:func:`_observer_key`), not on which layers are narrow. The first builds
+    (all-wide, all-narrow) calibrate; a later build whose every observer has a calibrated twin takes a copy of
+    the twin's statistics and derives its parameters from them (:func:`qtorch_onnx.quantizer.finalize_qparams`:
+    ranges, shared and fixed ranges, overrides, INT32 bias scales of *this* placement) without a forward pass.
+    ``calibrations`` counts the builds that ran the calibration data."""
+
+    def __init__(self, model, cfg, calib_samples, device, progress: bool, reuse_calibration: bool = True):
         from ..quantizer import lift_float
 
         self.cfg = cfg
@@ -419,7 +453,10 @@ class _Builder:
         self.device = device
         self.progress = progress
         self.builds = 0
+        self.calibrations = 0
+        self.reuse_calibration = reuse_calibration
         self._promoted: Dict[Any, Any] = {}
+        self._observers: Dict[Tuple[Any, ...], Any] = {}  # _observer_key -> a calibrated observer
 
     def build(self, cfg):
         from ..placement import plan_quantization
@@ -432,9 +469,33 @@ class _Builder:
         if self.device is not None:
             qm.to(self.device)
         if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
-            calibrate(qm, self.calib, progress=False)
+            observed = [(fq, _observer_key(fq)) for fq in qm.quantizers().values() if fq.calibratable]
+            if not (self.reuse_calibration and self._reuse(qm, observed)):
+                calibrate(qm, self.calib, progress=False)
+                self.calibrations += 1
+                for fq, key in observed:
+                    self._observers.setdefault(key, fq.observer)
         self.builds += 1
         return qm
+
+    def _reuse(self, qm, observed) -> bool:
+        """Calibrate ``qm`` from the statistics of earlier builds (as :func:`qtorch_onnx.calibrate` leaves it:
+        parameters set, observers frozen); False (``qm`` untouched) when some observer has no twin."""
+        from ..calibration import finalize_qparams
+
+        if not observed or any(key not in self._observers for _, key in observed):
+            return False
+        t0 = time.perf_counter()
+        skipped = {k for k, fq in qm.quantizers().items()
+                   if fq.role == "activation" and fq.observer is not None and not fq.calibratable}
+        for fq, key in observed:
+            fq.observer = copy.deepcopy(self._observers[key])
+        finalize_qparams(qm, skip=skipped)
+        for fq, _ in observed:  # statistics frozen, as calibrate() leaves them
+            fq._observer_enabled = False
+            fq._observer_auto_off = True
+        qm.stage_times["calibrate"] = time.perf_counter() - t0
+        return True
 
     def wide(self):
         return self.build(dataclasses.replace(self.cfg, auto_mixprecision=None))
@@ -504,29 +565,76 @@ def _as_candidate(c) -> Tuple[Format, Format]:
 
 
 def _bits(fmt: Format) -> float:
-    if isinstance(fmt, IntFormat):
-        return float(fmt.bits)
-    if isinstance(fmt, BFPFormat):
-        return fmt.bit_width / 2.0 if fmt.bfp_method == "to_bfp" else {11: 4.0, 13: 6.0, 16: 9.0}.get(fmt.bit_width, 9.0)
-    if isinstance(fmt, MXFormat):
-        return {"int8": 8.25, "fp8_e4m3": 8.25, "fp8_e5m2": 8.25, "fp6_e3m2": 6.25, "fp6_e2m3": 6.25,
-                "fp4_e2m1": 4.25}.get(fmt.element_dtype, 8.25)
-    return 16.0
+    """Storage bits per element of ``fmt`` (the format family table's ``bits_per_element``)."""
+    return fmt.bits_per_element
+
+
+class _ModelIndex:
+    """What :class:`_Patch` looks up on a model, computed once per model instead of once per patch: its layers
+    by name, its quantizers by key, the modules owning each quantizer slot, and the owner of every weight
+    parametrization (for the parametrization cache of :func:`_weights_cached`)."""
+
+    def __init__(self, qm):
+        from ..fakequant import FakeQuantize, ParamQuantizer
+
+        self.layers = {l.name: l for l in qm.layers()}
+        self.quantizers = qm.quantizers()
+        self.slots: Dict[int, List[Tuple[Any, str]]] = {}  # id(quantizer) -> [(holder module, attribute)]
+        self.param_owner: Dict[int, Tuple[int, str]] = {}  # id(ParamQuantizer) -> (id(owner module), tensor)
+        for mod in qm.modules():
+            for attr, child in mod._modules.items():
+                if isinstance(child, FakeQuantize):
+                    self.slots.setdefault(id(child), []).append((mod, attr))
+            plists = getattr(mod, "parametrizations", None)
+            if plists is not None and isinstance(plists, torch.nn.ModuleDict):
+                for tname, plist in plists.items():
+                    for pq in plist:
+                        if isinstance(pq, ParamQuantizer):
+                            self.param_owner[id(pq)] = (id(mod), tname)
+
+
+def _forget_cached(keys: Sequence[Tuple[int, str]]) -> None:
+    """Drop these ``(id(module), tensor)`` entries from torch's parametrization cache (a swapped weight or bias
+    quantizer must be evaluated again, see :func:`_weights_cached`)."""
+    from torch.nn.utils import parametrize
+
+    cache = getattr(parametrize, "_cache", None)
+    if isinstance(cache, dict):
+        for k in keys:
+            cache.pop(k, None)
+
+
+def _weights_cached():
+    """Context in which each parametrized (fake-quantized) weight and bias is computed once and reused by every
+    later read (``torch.nn.utils.parametrize.cached``): evaluation passes without autograd re-quantized every
+    weight on every batch and every sensitivity suffix. The cached value is the parametrization's output, so
+    results are bit-identical; :class:`_Patch` drops the entries of the quantizers it swaps."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.cached()
 
 
 class _Patch:
-    """Switches one layer of the wide model to the narrow model's quantizers, and back."""
+    """Switches one layer of the wide model to the narrow model's quantizers, and back.
 
-    def __init__(self, wide, narrow, name: str):
+    ``wide_index`` / ``narrow_index``: :class:`_ModelIndex` of the two models (computed here when not given;
+    give them when patching many layers of the same models)."""
+
+    def __init__(self, wide, narrow, name: str, wide_index: Optional[_ModelIndex] = None,
+                 narrow_index: Optional[_ModelIndex] = None):
         self.wide, self.narrow, self.name = wide, narrow, name
-        wl = {l.name: l for l in wide.layers()}[name]
-        nl = {l.name: l for l in narrow.layers()}[name]
+        wix = wide_index if wide_index is not None else _ModelIndex(wide)
+        nix = narrow_index if narrow_index is not None else _ModelIndex(narrow)
+        self._wix = wix
+        wl = wix.layers[name]
+        nl = nix.layers[name]
         self.layer = wl
         self.swaps: List[Tuple[Any, str, Any, Any]] = []  # (owner, attribute, old, new)
         self.acts: List[Tuple[int, Any]] = []
+        self.cache_keys: List[Tuple[int, str]] = []  # parametrization cache entries the swaps make stale
         info = wide.tensor_map.graph.nodes[name]
-        nfq = narrow.quantizers()
-        wfq = wide.quantizers()
+        nfq = nix.quantizers
+        wfq = wix.quantizers
         inits = set(wide.plan.info.initializers)
         # weights and biases: swap the module's parametrization, or the own quantizer's slot in the holder
         for wq, nq in ((wl.weight_quantizer, nl.weight_quantizer), (wl.bias_quantizer, nl.bias_quantizer)):
@@ -554,14 +662,15 @@ class _Patch:
         return self.wide.tensor_map.tensor_of_node(a.name)
 
     def _swap_everywhere(self, old_fq, new_fq):
-        for mod in self.wide.modules():
-            for attr, child in list(mod._modules.items()):
-                if child is old_fq:
-                    self.swaps.append((mod, attr, old_fq, new_fq))
+        for mod, attr in self._wix.slots.get(id(old_fq), ()):
+            self.swaps.append((mod, attr, old_fq, new_fq))
+            if id(mod) in self._wix.param_owner:
+                self.cache_keys.append(self._wix.param_owner[id(mod)])
 
     def __enter__(self):
         for mod, attr, _, new in self.swaps:
             mod._modules[attr] = new
+        _forget_cached(self.cache_keys)
         if self.acts and self.layer.module is not None:
             acts = self.acts
 
@@ -578,6 +687,7 @@ class _Patch:
     def __exit__(self, *exc):
         for mod, attr, old, _ in self.swaps:
             mod._modules[attr] = old
+        _forget_cached(self.cache_keys)
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -599,8 +709,10 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
     gradient of ``v . y`` for a random Gaussian ``v``, an unbiased Hutchinson estimate of ``||J delta||^2``;
     one backward pass per sample for all layers)."""
     est = {n: 0.0 for n in names}
-    patches = {n: _Patch(wide, narrow, n) for n in names}
-    layers = {l.name: l for l in wide.layers()}
+    wix, nix = _ModelIndex(wide), _ModelIndex(narrow)
+    patches = {n: _Patch(wide, narrow, n, wix, nix) for n in names}
+    layers = wix.layers
+    narrow_layers = nix.layers
     captured: Dict[str, List[torch.Tensor]] = {}
     handles = []
     for n in names:
@@ -647,7 +759,7 @@ def _gradient_estimate(wide, narrow, names, samples, float_outs, output_index) -
                     with torch.no_grad():
                         total += float((g * (acts[n][i](t) - t)).sum())
                 lw, wq = layers[n].weight, layers[n].weight_quantizer
-                nq = {l.name: l for l in narrow.layers()}[n].weight_quantizer
+                nq = narrow_layers[n].weight_quantizer
                 if lw is not None and lw.grad is not None and wq is not None and nq is not None:
                     with torch.no_grad():
                         total += float((lw.grad * (nq.quantize_dequantize(lw.float()) -
@@ -724,23 +836,28 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
     names = _target_layer_names(qm, target_op_type)
     from ..training import fake_quant_disabled
 
-    if _reference is not None:  # (float outputs, all-wide metric) already measured by the caller
+    if _reference is not None:  # (float outputs, all-wide metric or None) already measured by the caller
         float_outs, base = _reference
     else:
         with fake_quant_disabled(qm):
             float_outs = run_outputs(qm, samples, output_index)
-        base = fn(float_outs, run_outputs(qm, samples, output_index))
+        base = None  # the all-wide outputs come with the first sweep
     builder = _builder
     if builder is None:
         builder = _Builder(qm.onnx_model, qm.config, calib, qm.device, progress)
-    report = SensitivityReport(metric=name, baseline=base, layers=_layer_entries(qm, names, cands),
-                               candidates=[_candidate_name(c) for c in cands])
-    passes = 0 if _reference is not None else 2
+    report = SensitivityReport(metric=name, baseline=math.nan if base is None else base,
+                               layers=_layer_entries(qm, names, cands), candidates=[_candidate_name(c) for c in cands])
+    passes = 0 if _reference is not None else 1  # the float pass (the all-wide outputs come with the sweep)
     for c in cands:
         cname = _candidate_name(c)
         narrow = builder.promoted(names, c[0], c[1], target_op_type, dual_quant_nodes)
-        patches = {ls.name: _Patch(qm, narrow, ls.name) for ls in report.layers}
-        outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}")
+        wix, nix = _ModelIndex(qm), _ModelIndex(narrow)
+        patches = {ls.name: _Patch(qm, narrow, ls.name, wix, nix) for ls in report.layers}
+        base_key = "\0all-wide" if base is None else None
+        outs, frac = _patched_outputs(qm, samples, output_index, patches, progress, f"sensitivity {cname}",
+                                      base_key=base_key)
+        if base is None:
+            base = report.baseline = fn(float_outs, outs[base_key])
         for ls in report.layers:
             ls.measured[cname] = fn(float_outs, outs[ls.name])
             passes += 1
@@ -762,10 +879,11 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
 class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
-    model builds (each: place, calibrate, evaluate), the time (``stage_seconds``: prepare, sensitivity, search,
-    fill, verify; the builds a step-back in verify needs count in search and in verify), and the ONNX Runtime
-    checks of the choice ``(number of narrow layers, metric in ONNX Runtime)`` (the last one is the returned
-    mix)."""
+    model builds (each: place, calibrate, evaluate; ``calibrations`` of them ran the calibration data, the others
+    took the statistics of an earlier build, see :class:`_Builder`), the time (``stage_seconds``: prepare, sensitivity, search,
+    fill, verify: the part of the probes spent exporting and running ONNX Runtime, not counted in search), and
+    ``verified``: ``[(number of narrow layers, metric in ONNX Runtime)]`` of the returned mix (empty without
+    ``verify`` and in the budget form)."""
 
     plan: MixedPrecisionPlan
     sensitivity: SensitivityReport
@@ -778,6 +896,7 @@ class AutoMixedPrecisionResult:
     verified: List[Tuple[int, float]] = field(default_factory=list)
     fill_passes: int = 0
     stage_seconds: Dict[str, float] = field(default_factory=dict)
+    calibrations: int = 0
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -793,6 +912,7 @@ class AutoMixedPrecisionResult:
         doc = {"metric": self.sensitivity.metric, "target": self.plan.target, "value": self.plan.value,
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
+               "calibrations": self.calibrations,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
                "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
                "fill_forward_passes": self.fill_passes, "stage_seconds": self.stage_seconds,
@@ -875,10 +995,14 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
             promotion, without its O(L) full builds).
         gradient: also compute the sensitivity's one-backward-pass estimate and its Spearman agreement with
             the measured ranking (reported; the search uses the measurement).
-        verify: ``"onnxruntime"`` (default): the chosen mix is exported and its metric measured again in ONNX
-            Runtime against the float model run in ONNX Runtime, on the evaluation data; while it misses the
-            target there, one layer fewer goes narrow (the quantizers are bit-exact in ONNX Runtime, the float
-            operators between them are not: near the target that difference decides). None: emulation only.
+        verify: ``"onnxruntime"`` (default): every probe (all-wide, all-narrow, each mix of the search) is
+            exported and its metric measured in ONNX Runtime on ``execution_providers`` against the float model
+            run in ONNX Runtime, on the evaluation data: the target holds there for the returned mix by
+            construction (the quantizers are bit-exact in ONNX Runtime, the float operators between them are
+            not: near the target that difference decides). ``fill`` screens in the emulation, shifted by its
+            offset from ONNX Runtime at the chosen mix, and the set it finds is measured in ONNX Runtime like
+            every probe (the largest prefix of it that meets the target, by bisection, when the whole set does
+            not). None: everything in the torch emulation.
 
     Returns:
         ``(plan, qm, result)``: the :class:`MixedPrecisionPlan`, the calibrated mixed model (ready to export),
@@ -932,13 +1056,20 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     cname = _candidate_name((act_n, w_n))
     from ..training import fake_quant_disabled
 
-    with fake_quant_disabled(qm_wide):
-        float_outs = run_outputs(qm_wide, evals, output_index)
     # until the sensitivity is measured (only when the search needs it): graph order, nothing measured
     sens = SensitivityReport(metric=mname, baseline=math.nan, layers=_layer_entries(qm_wide, names, [(act_n, w_n)]),
                              candidates=[cname])
     order = list(names)
     layer_bytes = {l.name: l.weight_bytes for l in sens.layers}
+    torch_ref: List[Any] = []  # [float outputs, all-wide metric] of the torch emulation, when first needed
+    ort_ref: List[Outputs] = []  # the float model's outputs in ONNX Runtime, when first needed
+    eps = tuple(cfg.graph.execution_providers)
+
+    def emulation_reference() -> Outputs:
+        if not torch_ref:
+            with fake_quant_disabled(qm_wide):
+                torch_ref.append(run_outputs(qm_wide, evals, output_index))
+        return torch_ref[0]
 
     def measure_sensitivity() -> None:
         nonlocal sens, order
@@ -948,12 +1079,33 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         sens = sensitivity(qm_wide, evals, [(act_n, w_n)], metric=metric, evaluate_function=evaluate_function,
                            output_index=output_index, target_op_type=target_op_type, progress=progress,
                            dual_quant_nodes=dual_quant_nodes, gradient=gradient, _builder=builder,
-                           _reference=(float_outs, cache[0][0]))
+                           _reference=(emulation_reference(), None))  # all-wide: from the sweep
         order = sens.order()
         stage_seconds["sensitivity"] += time.perf_counter() - t_sens
 
     def size(k: int) -> float:
         return sum(layer_bytes[n][cname] if i < k else layer_bytes[n]["wide"] for i, n in enumerate(order))
+
+    def plan_for(j: int, value: Optional[float]) -> MixedPrecisionPlan:
+        return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
+                                  dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
+                                  metric=mname, value=value, target=target)
+
+    def measure(qm_k, j: int) -> float:
+        """The metric of mix ``qm_k`` (``j`` narrow): in ONNX Runtime (exported; against the float model run
+        there) with ``verify``, else in the torch emulation."""
+        if not verify:
+            return fn(emulation_reference(), run_outputs(qm_k, evals, output_index))
+        from ..export import export as _export
+
+        t_ort = time.perf_counter()
+        if not ort_ref:
+            ort_ref.append(_ort_outputs(proto, evals, output_index, eps))
+        if j > 0:
+            qm_k.config = plan_for(j, None).apply(cfg)
+        v = fn(ort_ref[0], _ort_outputs(_export(qm_k, check=False), evals, output_index, eps))
+        stage_seconds["verify"] += time.perf_counter() - t_ort
+        return v
 
     evaluated: List[Tuple[int, float, float]] = []
     cache: Dict[int, Tuple[float, Any]] = {}  # k -> (metric, model): k = 0 and k = n do not depend on the order
@@ -969,20 +1121,31 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
         if k not in cache:
             if 0 < k < n:
                 measure_sensitivity()
-            t_probe = time.perf_counter()
+            t_probe, t_ort = time.perf_counter(), stage_seconds["verify"]
             qm_k = qm_wide if k == 0 else builder.promoted(order[:k], act_n, w_n, target_op_type, dual_quant_nodes)
-            v = fn(float_outs, run_outputs(qm_k, evals, output_index))
+            v = measure(qm_k, k)
             cache[k] = (v, qm_k)
             evaluated.append((k, v, size(k)))
-            stage_seconds["search"] += time.perf_counter() - t_probe
+            stage_seconds["search"] += time.perf_counter() - t_probe - (stage_seconds["verify"] - t_ort)
             search_bar.update(1)
             search_bar.set_postfix_str(f"{k} narrow: {mname} {v:.4g} (target {target if target is not None else '-'})")
         return cache[k]
+
+    def bisect(lo: int, hi: int) -> int:
+        """The k in [lo, hi) where k meets the target and k + 1 does not, given that lo meets it and hi not."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid)[0] <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     n = len(order)
     wide_v, _ = probe(0)
     message = ""
     narrow_v = None
+    where = " in ONNX Runtime" if verify else ""
     if budget_bytes is not None:
         measure_sensitivity()
         fits = [j for j in range(n + 1) if size(j) <= budget_bytes]
@@ -998,18 +1161,18 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     elif wide_v > target:  # checked before any sensitivity pass: nothing to search
         k = 0
         message = (f"the target {mname} <= {target:g} cannot be met even with every layer wide ({mname} = "
-                   f"{wide_v:.6g}): returning the all-wide model")
+                   f"{wide_v:.6g}{where}): returning the all-wide model")
         warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
         narrow_v = None
     else:
         narrow_v, _ = probe(n)
-        if narrow_v <= target:  # no sensitivity pass needed (unless ONNX Runtime disagrees below)
+        if narrow_v <= target:  # no sensitivity pass needed
             k = n
-            message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g})"
+            message = f"every layer narrow meets the target ({mname} = {narrow_v:.6g} <= {target:g}{where})"
         elif search == "exhaustive":
             measure_sensitivity()
             k = max(j for j in range(n + 1) if probe(j)[0] <= target)
-            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; exhaustive)"
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}{where}; exhaustive)"
         else:
             measure_sensitivity()
             lo, hi = 0, n
@@ -1031,28 +1194,28 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                         lo = cand
                     else:
                         hi = cand
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if probe(mid)[0] <= target:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}; {k + 1} gives " \
+            k = bisect(lo, hi)
+            message = f"{k} of {n} layers narrow ({mname} = {cache[k][0]:.6g} <= {target:g}{where}; {k + 1} gives " \
                       f"{cache[k + 1][0]:.6g})"
             if fill and k + 1 < n:
-                # the layers after the first that breaks the target, tried one by one on the chosen mix (its
-                # quantizers swapped in, one forward pass each, kept while the target holds), then the whole
-                # set built and calibrated for real: the sorted order stops at the first too-sensitive layer,
-                # this does not
+                # the layers after the first that breaks the target, tried one by one on the chosen mix in the
+                # emulation (its quantizers swapped in, one forward pass each, kept while the emulated metric,
+                # shifted by the emulation's offset from the measurement at the chosen mix, holds), then the
+                # set built, calibrated and measured like every probe: the sorted order stops at the first
+                # too-sensitive layer, this does not
                 t_fill = time.perf_counter()
-                base, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
+                base_qm, narrow_model = cache[k][1], cache[n][1]  # the chosen mix; the all-narrow model
+                f_t = emulation_reference()
+                offset = (cache[k][0] - fn(f_t, run_outputs(base_qm, evals, output_index))) if verify else 0.0
+                fill_passes += 1 if verify else 0
                 accepted, active = [], []
+                nix = _ModelIndex(narrow_model)
                 try:
                     for name in order[k + 1:]:
-                        patch = _Patch(base, narrow_model, name).__enter__()
+                        # the base's index afresh: the patches already on have swapped some of its slots
+                        patch = _Patch(base_qm, narrow_model, name, _ModelIndex(base_qm), nix).__enter__()
                         fill_passes += 1
-                        if fn(float_outs, run_outputs(base, evals, output_index)) <= target:
+                        if fn(f_t, run_outputs(base_qm, evals, output_index)) + offset <= target:
                             accepted.append(name)
                             active.append(patch)
                         else:
@@ -1070,52 +1233,25 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
                         message += (f"; {len(accepted)} more layers after it fit one by one: {k2} of {n} narrow "
                                     f"({mname} = {cache[k2][0]:.6g})")
                         k = k2
-                    else:
-                        message += (f"; {len(accepted)} more layers fit one by one but not together when "
-                                    f"built ({mname} = {cache[k2][0]:.6g})")
-    def plan_for(j: int) -> MixedPrecisionPlan:
-        return MixedPrecisionPlan(promoted_nodes=list(order[:j]), act_format=act_n, weight_format=w_n,
-                                  dual_quant_nodes=dual_quant_nodes, target_op_type=tuple(target_op_type),
-                                  metric=mname, value=cache[j][0], target=target)
-
+                    else:  # not all of them together: the largest prefix of them that fits
+                        k3 = bisect(k, k2)
+                        message += (f"; {len(accepted)} more layers fit one by one, {k3 - k} of them together "
+                                    f"({k3} of {n} narrow, {mname} = {cache[k3][0]:.6g}; {k2} gives "
+                                    f"{cache[k2][0]:.6g})")
+                        k = k3
     verified: List[Tuple[int, float]] = []
-    if verify and budget_bytes is None and k > 0:
-        # the emulation's choice measured again where it is deployed; one layer fewer while it misses there
-        from ..export import export as _export
-
-        t_verify = time.perf_counter()
-        eps = tuple(cfg.graph.execution_providers)
-        ort_ref = _ort_outputs(proto, evals, output_index, eps)
-        while k > 0:
-            if cache[k][0] <= target:
-                qm_k = cache[k][1]
-                qm_k.config = plan_for(k).apply(cfg)
-                v_ort = fn(ort_ref, _ort_outputs(_export(qm_k, check=False), evals, output_index, eps))
-                verified.append((k, v_ort))
-                if v_ort <= target:
-                    break
-            k -= 1
-            probe(k)
-        stage_seconds["verify"] += time.perf_counter() - t_verify
-        if not verified or verified[-1][1] > target:
-            message += (f"; in ONNX Runtime no mix with narrow layers meets the target (checked "
-                        f"{', '.join(f'{j} narrow: {v:.6g}' for j, v in verified)}): returning all-wide")
-            warnings.warn(f"AutoMixprecision: {message}", stacklevel=2)
-        elif len(verified) > 1:
-            message += (f"; in ONNX Runtime {verified[0][0]} narrow gave {verified[0][1]:.6g} > {target:g}, so "
-                        f"{k} narrow ({mname} = {verified[-1][1]:.6g} in ONNX Runtime)")
-        else:
-            message += f"; ONNX Runtime: {mname} = {verified[-1][1]:.6g}"
+    if verify and budget_bytes is None:
+        verified.append((k, cache[k][0]))  # every probe was measured in ONNX Runtime: so is the choice
     for j in sorted({round(i * n / (pareto_points - 1)) for i in range(pareto_points)} if pareto_points > 1 else ()):
         probe(int(j))
     value, qm = cache[k]
-    plan = plan_for(k)
+    plan = plan_for(k, value)
     if k > 0:
         qm.config = plan.apply(cfg)
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
                                       message=message, verified=verified, fill_passes=fill_passes,
-                                      stage_seconds=stage_seconds)
+                                      stage_seconds=stage_seconds, calibrations=builder.calibrations)
     search_bar.close()
     qm.auto_mp_result = result
     if report_dir is not None:
