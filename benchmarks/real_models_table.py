@@ -10,8 +10,9 @@ reader)``: ours from ``qtorch_onnx`` in this environment (``torch.set_num_thread
 Quark's in its own venv through ``_quark_table_worker.py`` (run by ``auto_mp_vs_quark.Quark``; Quark's
 defaults for threads). Calibration: the zoo's ``calib`` split; evaluation: the held-out ``eval`` split
 (``qtorch_onnx.zoo.model_inputs``; ``--samples N`` takes the first N of each, ``--samples-for MODEL=N`` per
-model). ``ddddocr-old`` is skipped unless named in ``--models``: it is already dynamically INT8-quantized
-(ConvInteger, MatMulInteger, DynamicQuantizeLinear), so there is no float model to quantize.
+model; ``--swap-splits`` calibrates on ``eval`` and measures on ``calib``: a second draw of the same data).
+``ddddocr-old`` is skipped unless named in ``--models``: it is already dynamically INT8-quantized (ConvInteger,
+MatMulInteger, DynamicQuantizeLinear), so there is no float model to quantize.
 
 Metrics, on each model's first output (silero-vad: ``output``, not the recurrent state), each sample flattened
 to float64, against the float model in ONNX Runtime of this environment:
@@ -35,8 +36,9 @@ versions and the git commit (``$QTORCH_ONNX_GIT_COMMIT`` when ours runs from a `
 ``OUT/results.json`` and ``OUT/table.md`` after every model (default ``out/real_models_table``) and prints
 the table.
 
-A first look at why, where ours is below Quark (``--no-diagnose`` skips it): Quark 0.13's named configs set
-``include_cle=True``, ours ``False``; such rows are rerun with ours ``include_cle=True`` and Quark's
+A first look at why, where ours is below Quark (``--no-diagnose`` skips it): where the two configs differ in
+``include_cle`` (Quark 0.13's named configs all set it; ours A8W8 / A16W8 / BF16 / BFP16 too, so only with
+``--ours-set include_cle=False``), such rows are rerun with ours ``include_cle=True`` and Quark's
 ``include_cle=False`` (same data). Where ours fails on a model whose graph inputs have a negative ``dim_value``
 (paddle2onnx's ``-1`` batch: ppocr-cls), both sides also run on a copy with those dims symbolic, reported as a
 separate model (``--no-variants`` skips it).
@@ -285,8 +287,9 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
     rec: Dict[str, Any] = {"model": label, "zoo_model": name, "configs": {}}
     try:
         model = model_path or str(zoo.fetch_model(name))
-        calib, _ = zoo.model_inputs(name, "calib", n=n)
-        evals, labels = zoo.model_inputs(name, "eval", n=n)
+        cs, es = ("eval", "calib") if args.swap_splits else ("calib", "eval")
+        calib, _ = zoo.model_inputs(name, cs, n=n)
+        evals, labels = zoo.model_inputs(name, es, n=n)
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         return rec
@@ -566,6 +569,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=None, help="first N samples of each split (default: all, 16)")
     ap.add_argument("--samples-for", nargs="+", default=[], metavar="MODEL=N", help="per-model --samples")
     ap.add_argument("--skip-quark", action="store_true")
+    ap.add_argument("--swap-splits", action="store_true",
+                    help="calibrate on the zoo's eval split and measure on its calib split (a second draw of the "
+                         "data, both sides)")
     ap.add_argument("--ours-set", nargs="+", default=[], metavar="FIELD=VALUE", type=_field_value,
                     help="set these QuantizationConfig fields on ours' named config for every row (a Python "
                          "literal: --ours-set include_cle=True); Quark keeps its named config")
