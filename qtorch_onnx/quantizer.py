@@ -222,8 +222,7 @@ def _initializer_value(info, tensor: str) -> torch.Tensor:
     return torch.from_numpy(np.array(numpy_helper.to_array(info.initializers[tensor]), dtype=np.float32, copy=True))
 
 
-def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.device, None] = None,
-            calibration_data: Any = None) -> QuantizedModel:
+def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.device, None] = None) -> QuantizedModel:
     """Normalize and lift an ONNX model and place FakeQuantize modules per ``config``.
 
     Args:
@@ -232,9 +231,6 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
             :func:`qtorch_onnx.get_default_config` lists all and names the closest to a wrong one), a Quark
             ``Config``/``QuantizationConfig``, or a ResolvedConfig.
         device: move the module there (``"cuda"``, ``"cpu"``); default CPU.
-        calibration_data: data for the data-aware part of cross-layer equalization (``include_cle`` with block
-            formats: :func:`qtorch_onnx.algorithms.cle.cross_layer_equalization`), read completely; anything
-            :func:`calibrate` reads. None: CLE uses its weight rule.
 
     Returns:
         A :class:`QuantizedModel` (training mode as onnx2torch leaves it: call ``.eval()`` for inference).
@@ -249,7 +245,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     """
     t0 = time.perf_counter()
     cfg = resolve(config)
-    gm, cle_report = lift_float(model, cfg, calibration_data)
+    gm, cle_report = lift_float(model, cfg)
     t_lift = time.perf_counter() - t0
     plan = plan_quantization(gm.onnx_model, cfg, gm.tensor_map.aliases)
     qm = attach_quantizers(gm, plan, cfg)
@@ -261,7 +257,7 @@ def prepare(model: ModelLike, config: Any = "A8W8", *, device: Union[str, torch.
     return qm
 
 
-def lift_float(model: ModelLike, cfg: ResolvedConfig, calibration_data: Any = None):
+def lift_float(model: ModelLike, cfg: ResolvedConfig):
     """The float model every quantized build starts from: loaded, normalized (BatchNormalization folded),
     graph-optimized when ``cfg.optimize_model`` (:mod:`qtorch_onnx.lift.fusion`), lifted, its float
     initializers made parameters, then :func:`float_rewrites`. Returns ``(gm, cle_report)``; the fusion
@@ -275,10 +271,10 @@ def lift_float(model: ModelLike, cfg: ResolvedConfig, calibration_data: Any = No
 
     gm = lift(load_model(model), fold_batchnorm=True, optimize=cfg.optimize_model)
     make_trainable(gm)
-    return gm, float_rewrites(gm, cfg, calibration_data)
+    return gm, float_rewrites(gm, cfg)
 
 
-def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig, calibration_data: Any = None):
+def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig):
     """The float-model transforms the configuration asks for before placement, in place on the lifted model:
     ReplaceClip6Relu, then cross-layer equalization (include_cle). Returns the
     :class:`~qtorch_onnx.algorithms.cle.CLEReport` (None without CLE)."""
@@ -289,8 +285,7 @@ def float_rewrites(gm: torch.fx.GraphModule, cfg: ResolvedConfig, calibration_da
     replaced = replace_clip6_relu(gm) if cfg.replace_clip6_relu else []
     if cfg.cle is None:
         return None
-    report = cross_layer_equalization(gm, cfg.cle, data=calibration_data, activation=cfg.activation,
-                                      weight=cfg.weight)
+    report = cross_layer_equalization(gm, cfg.cle)
     report.replaced_clips = replaced
     return report
 
@@ -599,10 +594,8 @@ class ModelQuantizer:
         if amp is not None and (amp.l2_target is not None or amp.top1_acc_target is not None):
             return self._quantize_auto_mp(model_input, model_output, calibration_data_reader, calibration_data_path,
                                           device=device, progress=progress)
+        qm = prepare(model_input, self.resolved, device=device)
         data = calibration_data_reader if calibration_data_reader is not None else calibration_data_path
-        if data is not None and self.resolved.cle is not None:  # read once: for CLE and for calibration
-            data = list(_data._iter_raw(data))
-        qm = prepare(model_input, self.resolved, device=device, calibration_data=data)
         if data is not None:  # a data reader is an iterator: read it once, for calibration and fast finetune
             data = _data.to_samples(data, qm.input_specs)
         if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):

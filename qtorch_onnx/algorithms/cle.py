@@ -10,14 +10,6 @@ layer's bias included with CLEScaleAppendBias, weighed against the channel's wei
 per-tensor weight ranges stop being dominated by a few channels, which is what per-tensor INT8 / INT4 weights
 of depthwise-separable networks suffer from.
 
-Block formats (BFP / MX weights and activations; ``balance="activations"`` in the report): the weights are
-quantized in blocks along each layer's input-channel axis, so the first layer's output-channel ranges do not
-share a scale and need no balancing, while the activation between the two layers is quantized in blocks along
-its channels. There, with calibration data, ``c_i = sqrt(r2_i / a_i)`` balances the second layer's
-input-channel ranges ``r2_i`` against the measured activation range ``a_i`` (largest ``|x|`` of channel ``i``
-at the second layer's input, float model): both become ``sqrt(a_i r2_i)``. Without data, or for the other
-formats, the weight rule above (``balance="weights"``, Quark's).
-
 The pairs are found on the normalized ONNX graph (BatchNormalization already folded into its Conv): a Conv or
 Gemm whose output reaches exactly one Conv / Gemm (as its data input) through single-reader homogeneous ops
 only. Grouped and depthwise convolutions are handled channel by channel. The weights are the lifted model's
@@ -41,8 +33,7 @@ from torch import nn
 
 from ..config.internal import CLESettings
 
-__all__ = ["cross_layer_equalization", "replace_clip6_relu", "equalization_pairs", "bias_range", "activation_ranges",
-           "CLEReport"]
+__all__ = ["cross_layer_equalization", "replace_clip6_relu", "equalization_pairs", "bias_range", "CLEReport"]
 
 #: element-wise / per-channel ops with f(c x) = c f(x) for c > 0 (per channel); Pad only with zero padding
 HOMOGENEOUS = ("Relu", "LeakyRelu", "PRelu", "Identity", "Pad", "MaxPool", "AveragePool", "GlobalAveragePool",
@@ -55,9 +46,7 @@ MAX_ADAPTIVE_STEPS = 20
 class CLEReport:
     """What :func:`cross_layer_equalization` did: the pairs ``(first, second, [ops between])``, the sweeps run,
     the mean absolute weight change of each sweep, per pair the weight range ratio (largest / smallest
-    channel range of the first layer) before and after, what was balanced (``"weights"``: the two layers'
-    weight ranges; ``"activations"``: the second layer's input-channel weight ranges against the measured
-    activation ranges, block formats with data) and a note on that choice."""
+    channel range of the first layer) before and after, and a note when nothing was equalized."""
 
     pairs: List[Tuple[str, str, List[str]]] = field(default_factory=list)
     sweeps: int = 0
@@ -65,7 +54,6 @@ class CLEReport:
     range_ratio_before: Dict[str, float] = field(default_factory=dict)
     range_ratio_after: Dict[str, float] = field(default_factory=dict)
     replaced_clips: List[str] = field(default_factory=list)
-    balance: str = "weights"
     note: str = ""
 
 
@@ -240,83 +228,24 @@ def _ratio(r: torch.Tensor) -> float:
     return float(pos.max() / pos.min()) if pos.numel() else 1.0
 
 
-def activation_ranges(gm, pairs: List[Tuple[str, str, List[str]]], samples, batch_size: int = 8
-                      ) -> Dict[Tuple[str, str], torch.Tensor]:
-    """Largest ``|x|`` per channel of each pair's middle activation (the second layer's data input, ops between
-    applied), over ``samples`` run through the float model ``gm``.
-
-    Args:
-        gm: the lifted float GraphModule (on any device; its mode is restored).
-        pairs: ``(first, second, [ops between])`` as :func:`equalization_pairs`.
-        samples: a list of input tuples (:func:`qtorch_onnx.data.to_samples`).
-        batch_size: samples per forward pass.
-
-    Returns:
-        ``{(first, second): float32 tensor [channels]}`` (channel axis 1 of a Conv input ``[N, C, ...]``, the
-        feature axis of a Gemm input ``[N, C]``).
-    """
-    from .. import data as _data
-
-    ranges: Dict[Tuple[str, str], torch.Tensor] = {}
-    hooks = []
-    for a, b, _ in pairs:
-        def hook(_mod, inputs, key=(a, b)):
-            x = inputs[0].detach().abs().float()
-            r = x.transpose(0, 1).reshape(x.shape[1], -1).amax(1).cpu()
-            ranges[key] = r if key not in ranges else torch.maximum(ranges[key], r)
-        hooks.append(_module_of(gm, b).register_forward_pre_hook(hook))
-    was_training = gm.training
-    device = next((p.device for p in gm.parameters()), torch.device("cpu"))
-    gm.eval()
-    try:
-        with torch.no_grad():
-            for batch in _data.batches(samples, _data.input_specs(gm.onnx_model), batch_size):
-                gm(*(t.to(device) for t in batch))
-    finally:
-        gm.train(was_training)
-        for h in hooks:
-            h.remove()
-    return ranges
-
-
-def cross_layer_equalization(gm, settings: Optional[CLESettings] = None, *, data: Any = None,
-                             activation: Any = None, weight: Any = None) -> CLEReport:
+def cross_layer_equalization(gm, settings: Optional[CLESettings] = None) -> CLEReport:
     """Equalize every pair of the lifted model ``gm`` in place (module docstring).
 
     Args:
         gm: the lifted GraphModule (``qtorch_onnx.lift``), with its parameters; before placement.
         settings: :class:`~qtorch_onnx.config.internal.CLESettings` (Quark's CLE keys); default its defaults.
-        data: calibration data (anything :func:`qtorch_onnx.data.to_samples` reads: a list of
-            ``{input name: array}``, a ``CalibrationDataReader``, ...; read completely), used only for block
-            formats (the activation ranges of :func:`activation_ranges`); None: the weight rule.
-        activation, weight: the configuration's formats (:mod:`qtorch_onnx.formats.spec`); the activation rule
-            applies when both are block formats (BFP / MX) and ``data`` is given.
 
     Returns:
         A :class:`CLEReport`. No pair is not an error: the model is left as it is, ``report.note`` says why
         (logged at INFO).
-
-    Raises:
-        DataError: ``data`` does not match the model's inputs (as :func:`qtorch_onnx.data.to_samples`).
     """
-    from ..config.resolve import is_block_format
-
     s = settings or CLESettings()
     report = CLEReport(pairs=equalization_pairs(gm))
-    if not report.pairs:  # a log line, not a warning: the named configs A8W8 / A16W8 / BF16 / BFP16 turn CLE on
+    if not report.pairs:  # a log line, not a warning: the named configs A8W8 / A16W8 / BF16 turn CLE on
         report.note = ("no Conv/Gemm pair joined by Relu / LeakyRelu / PRelu / zero Pad / pooling only (Clip(0, 6) "
                        "needs ReplaceClip6Relu; HardSwish, Sigmoid and residual Adds stop a pair): nothing equalized")
         logging.getLogger(__name__).info("cross-layer equalization: %s", report.note)
         return report
-    act: Optional[Dict[Tuple[str, str], torch.Tensor]] = None
-    if is_block_format(activation) and is_block_format(weight):
-        if data is None:
-            report.note = "block formats without calibration data: the weight rule"
-        else:
-            from .. import data as _data
-
-            act = activation_ranges(gm, report.pairs, _data.to_samples(data, _data.input_specs(gm.onnx_model)))
-            report.balance = "activations"
     weights = {}
     for a, b, _ in report.pairs:
         for name in (a, b):
@@ -337,13 +266,7 @@ def cross_layer_equalization(gm, settings: Optional[CLESettings] = None, *, data
                 ok = (r1 > 0) & (r2 > 0)
                 if s.use_threshold:
                     ok &= (r1 + r2) >= s.weight_threshold
-                if act is None:
-                    c[ok] = torch.sqrt(r2[ok] / r1[ok])
-                else:  # block formats: the activation's channel ranges against the second layer's input channels
-                    ra = act[(a, b)].double()
-                    ok &= ra > 0
-                    c[ok] = torch.sqrt(r2[ok] / ra[ok])
-                    act[(a, b)] = ra * c  # the activation scales with the first layer's outputs
+                c[ok] = torch.sqrt(r2[ok] / r1[ok])
                 shape = [-1] + [1] * (wa.dim() - 1)
                 wa.data.mul_(c.to(wa.dtype).reshape(shape))
                 if ba is not None:
