@@ -10,8 +10,9 @@ reader)``: ours from ``qtorch_onnx`` in this environment (``torch.set_num_thread
 Quark's in its own venv through ``_quark_table_worker.py`` (run by ``auto_mp_vs_quark.Quark``; Quark's
 defaults for threads). Calibration: the zoo's ``calib`` split; evaluation: the held-out ``eval`` split
 (``qtorch_onnx.zoo.model_inputs``; ``--samples N`` takes the first N of each, ``--samples-for MODEL=N`` per
-model). ``ddddocr-old`` is skipped unless named in ``--models``: it is already dynamically INT8-quantized
-(ConvInteger, MatMulInteger, DynamicQuantizeLinear), so there is no float model to quantize.
+model; ``--swap-splits`` calibrates on ``eval`` and measures on ``calib``: a second draw of the same data).
+``ddddocr-old`` is skipped unless named in ``--models``: it is already dynamically INT8-quantized (ConvInteger,
+MatMulInteger, DynamicQuantizeLinear), so there is no float model to quantize.
 
 Metrics, on each model's first output (silero-vad: ``output``, not the recurrent state), each sample flattened
 to float64, against the float model in ONNX Runtime of this environment:
@@ -35,9 +36,13 @@ versions and the git commit (``$QTORCH_ONNX_GIT_COMMIT`` when ours runs from a `
 ``OUT/results.json`` and ``OUT/table.md`` after every model (default ``out/real_models_table``) and prints
 the table.
 
-A first look at why, where ours is below Quark (``--no-diagnose`` skips it): Quark 0.13's named configs set
-``include_cle=True``, ours ``False``; such rows are rerun with ours ``include_cle=True`` and Quark's
-``include_cle=False`` (same data). Where ours fails on a model whose graph inputs have a negative ``dim_value``
+A first look at why, where ours is below Quark (``--no-diagnose`` skips it): where the two configs differ in
+``include_cle`` (Quark 0.13's named configs all set it; ours A8W8 / A16W8 / BF16 / BFP16 too, so only with
+``--ours-set include_cle=False``), such rows are rerun with ours ``include_cle=True`` and Quark's
+``include_cle=False`` (same data). Then, for every row where ours is below, both sides run again on
+``--noise-splits K`` random half/half splits of the calib + eval samples (default 4, paired, seed 0): the mean
+cosine difference, its standard error and the number of splits where ours is higher tell a draw of the data from
+a systematic gap. Where ours fails on a model whose graph inputs have a negative ``dim_value``
 (paddle2onnx's ``-1`` batch: ppocr-cls), both sides also run on a copy with those dims symbolic, reported as a
 separate model (``--no-variants`` skips it).
 """
@@ -224,12 +229,13 @@ def run_ours(model: str, config: str, calib, evals, out: Path, overrides: Option
 
 
 def run_quark(quark: Quark, model: str, names: List[str], runs: List[dict], work: Path, timeout: float,
-              with_float: bool) -> dict:
+              with_float: bool, data_tag: str = "") -> dict:
     """Quark's side for one model: one worker call for all runs (``{config, tag, overrides}``); a crashed
-    worker is rerun one run at a time so the crash lands in one row. Returns ``{"by_tag": {tag: result}}``."""
+    worker is rerun one run at a time so the crash lands in one row. Data: ``work/calib{data_tag}.npz`` and
+    ``work/eval{data_tag}.npz``. Returns ``{"by_tag": {tag: result}}``."""
     def job(rs, flt):
-        return {"model": model, "input_names": names, "calib_data": str(work / "calib.npz"),
-                "eval_data": str(work / "eval.npz"),
+        return {"model": model, "input_names": names, "calib_data": str(work / f"calib{data_tag}.npz"),
+                "eval_data": str(work / f"eval{data_tag}.npz"),
                 "float_outputs": str(work / "float_quark_runtime.npz") if flt else None,
                 "runs": [{"config": r["config"], "overrides": r.get("overrides", {}),
                           "out": str(work / f"quark_{r['tag']}.onnx"),
@@ -285,8 +291,9 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
     rec: Dict[str, Any] = {"model": label, "zoo_model": name, "configs": {}}
     try:
         model = model_path or str(zoo.fetch_model(name))
-        calib, _ = zoo.model_inputs(name, "calib", n=n)
-        evals, labels = zoo.model_inputs(name, "eval", n=n)
+        cs, es = ("eval", "calib") if args.swap_splits else ("calib", "eval")
+        calib, calib_labels = zoo.model_inputs(name, cs, n=n)
+        evals, labels = zoo.model_inputs(name, es, n=n)
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         return rec
@@ -317,8 +324,8 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
         _log(f"{label} {c}: ours {_summary(o)}")
         return o
 
-    def quark_runs(runs, with_float=False):
-        q = run_quark(quark, model, names, runs, work, args.quark_timeout, with_float)
+    def quark_runs(runs, with_float=False, f=f, labels=labels, data_tag=""):
+        q = run_quark(quark, model, names, runs, work, args.quark_timeout, with_float, data_tag)
         if with_float:
             rec["quark_versions"] = q.get("versions")
             if q.get("float_ok"):
@@ -371,6 +378,37 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
         got = quark_runs([{"config": c, "tag": f"{c}_nocle", "overrides": {"include_cle": False}} for c in cle])
         for c in cle:
             rec["configs"][c]["quark_without_cle"] = got[f"{c}_nocle"]
+    # where ours is below Quark on the fixed split: both sides again on K random half/half splits of the
+    # calib + eval samples (paired), to tell a data draw from a systematic gap
+    low = [c for c in configs if rec["configs"][c]["ours_below_quark"] and rec["configs"][c]["ours"].get("ok")]
+    if low and args.noise_splits > 0:
+        pool = calib + evals
+        pool_labels = list(calib_labels or [-1] * len(calib)) + list(labels or [-1] * len(evals))
+        fpool = ort_outputs(model, calib) + f
+        rng = np.random.default_rng(0)
+        runs = {c: [] for c in low}
+        for k in range(args.noise_splits):
+            perm = rng.permutation(len(pool))
+            ci, ei = perm[:len(pool) // 2], perm[len(pool) // 2:]
+            ck, ek = [pool[i] for i in ci], [pool[i] for i in ei]
+            fk, lk = [fpool[i] for i in ei], [pool_labels[i] for i in ei]
+            save_data(work / f"calib_s{k}.npz", ck, names, None)
+            save_data(work / f"eval_s{k}.npz", ek, names, lk)
+            _log(f"{label}: split {k + 1}/{args.noise_splits} ({' '.join(low)})")
+            got = quark_runs([{"config": c, "tag": f"{c}_s{k}"} for c in low], f=fk, labels=lk, data_tag=f"_s{k}")
+            for c in low:
+                o = run_ours(model, c, ck, ek, work / f"ours_{c}_s{k}.onnx", dict(args.ours_set) or None)
+                q = got[f"{c}_s{k}"]
+                if o.get("ok") and q.get("ok"):
+                    runs[c].append((metrics(fk, o.pop("outputs"), lk, classifier)["cosine"], q["metrics"]["cosine"]))
+        for c in low:
+            if runs[c]:
+                a = np.array(runs[c], dtype=np.float64)
+                d = a[:, 0] - a[:, 1]
+                rec["configs"][c]["splits"] = {
+                    "k": len(d), "ours": a[:, 0].tolist(), "quark": a[:, 1].tolist(), "mean_diff": float(d.mean()),
+                    "se": float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None,
+                    "ours_higher": int((d > 0).sum())}
     return rec
 
 
@@ -473,6 +511,12 @@ def findings(results: dict) -> str:
                 lines.append(f"  - quantizer ops ours {o['profile']['quantizer_ops']}, "
                              f"Quark {q['profile']['quantizer_ops']}; "
                              f"nodes {o['profile']['nodes']} / {q['profile']['nodes']}")
+            sp = rec.get("splits")
+            if sp:
+                se = f" +- {sp['se']:.6f} (s.e.)" if sp.get("se") is not None else ""
+                lines.append(f"  - {sp['k']} random half/half splits of calib + eval (paired): cosine ours - Quark "
+                             f"{sp['mean_diff']:+.6f}{se}, ours higher in {sp['ours_higher']}/{sp['k']}; "
+                             f"mean ours {np.mean(sp['ours']):.6f}, Quark {np.mean(sp['quark']):.6f}")
             oc, qn = rec.get("ours_with_cle"), rec.get("quark_without_cle")
             if oc or qn:
                 lines.append("  - CLE (Quark's named config has include_cle=True, ours False): "
@@ -566,6 +610,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=None, help="first N samples of each split (default: all, 16)")
     ap.add_argument("--samples-for", nargs="+", default=[], metavar="MODEL=N", help="per-model --samples")
     ap.add_argument("--skip-quark", action="store_true")
+    ap.add_argument("--swap-splits", action="store_true",
+                    help="calibrate on the zoo's eval split and measure on its calib split (a second draw of the "
+                         "data, both sides)")
     ap.add_argument("--ours-set", nargs="+", default=[], metavar="FIELD=VALUE", type=_field_value,
                     help="set these QuantizationConfig fields on ours' named config for every row (a Python "
                          "literal: --ours-set include_cle=True); Quark keeps its named config")
@@ -577,6 +624,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-outputs", action="store_true", help="keep Quark's output .npz files")
     ap.add_argument("--no-diagnose", action="store_true",
                     help="skip the CLE reruns (ours with include_cle=True, Quark without) where ours is below Quark")
+    ap.add_argument("--noise-splits", type=int, default=4, metavar="K",
+                    help="where ours is below Quark, rerun both on K random half/half splits of calib + eval "
+                         "(paired; 0: off; default 4)")
     ap.add_argument("--no-variants", action="store_true",
                     help="skip the rerun on a copy with symbolic input dims of a model ours fails on")
     args = ap.parse_args(argv)

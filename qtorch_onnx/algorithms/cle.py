@@ -21,6 +21,7 @@ MobileNetV2's ReLU6 (which is not homogeneous): the float model changes where ac
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -44,8 +45,8 @@ MAX_ADAPTIVE_STEPS = 20
 @dataclass
 class CLEReport:
     """What :func:`cross_layer_equalization` did: the pairs ``(first, second, [ops between])``, the sweeps run,
-    the mean absolute weight change of each sweep, and per pair the weight range ratio (largest / smallest
-    channel range of the first layer) before and after."""
+    the mean absolute weight change of each sweep, per pair the weight range ratio (largest / smallest
+    channel range of the first layer) before and after, and a note when nothing was equalized."""
 
     pairs: List[Tuple[str, str, List[str]]] = field(default_factory=list)
     sweeps: int = 0
@@ -53,6 +54,7 @@ class CLEReport:
     range_ratio_before: Dict[str, float] = field(default_factory=dict)
     range_ratio_after: Dict[str, float] = field(default_factory=dict)
     replaced_clips: List[str] = field(default_factory=list)
+    note: str = ""
 
 
 def _graph_maps(model) -> Tuple[Dict[str, List[Any]], set, Dict[str, np.ndarray]]:
@@ -234,16 +236,15 @@ def cross_layer_equalization(gm, settings: Optional[CLESettings] = None) -> CLER
         settings: :class:`~qtorch_onnx.config.internal.CLESettings` (Quark's CLE keys); default its defaults.
 
     Returns:
-        A :class:`CLEReport`. No pair is a warning (the model is left as it is), not an error.
+        A :class:`CLEReport`. No pair is not an error: the model is left as it is, ``report.note`` says why
+        (logged at INFO).
     """
-    import warnings
-
     s = settings or CLESettings()
     report = CLEReport(pairs=equalization_pairs(gm))
-    if not report.pairs:
-        warnings.warn("cross-layer equalization: no Conv/Gemm pair joined by Relu / LeakyRelu / PRelu / zero Pad / "
-                      "pooling only (Clip(0, 6) needs ReplaceClip6Relu; HardSwish, Sigmoid and residual Adds "
-                      "stop a pair): nothing equalized", stacklevel=2)
+    if not report.pairs:  # a log line, not a warning: the named configs A8W8 / A16W8 / BF16 turn CLE on
+        report.note = ("no Conv/Gemm pair joined by Relu / LeakyRelu / PRelu / zero Pad / pooling only (Clip(0, 6) "
+                       "needs ReplaceClip6Relu; HardSwish, Sigmoid and residual Adds stop a pair): nothing equalized")
+        logging.getLogger(__name__).info("cross-layer equalization: %s", report.note)
         return report
     weights = {}
     for a, b, _ in report.pairs:

@@ -128,11 +128,12 @@ def test_replace_clip6_relu_opens_the_pairs():
     _ = qo.export(qm, None)
 
 
-def test_no_pair_warns_and_keys_need_include_cle():
+def test_no_pair_is_noted_and_keys_need_include_cle(caplog):
     qm_cfg = Config(global_quant_config=QuantizationConfig(include_cle=True))
-    with pytest.warns(UserWarning, match="no Conv/Gemm pair"):
+    with caplog.at_level("INFO", logger="qtorch_onnx.algorithms.cle"):
         qm = qo.prepare(_single_conv(), qm_cfg)
-    assert qm.cle_report.pairs == []
+    assert qm.cle_report.pairs == [] and "no Conv/Gemm pair" in qm.cle_report.note
+    assert any("no Conv/Gemm pair" in r.getMessage() for r in caplog.records)
     with pytest.raises(qo.ConfigError, match="CLESteps.*include_cle=True"):
         qo.prepare(cnn(), Config(global_quant_config=QuantizationConfig(extra_options={"CLESteps": 2})))
     with pytest.raises(qo.ConfigError, match="CLESteps.*-1"):
@@ -203,3 +204,18 @@ def test_append_bias_weighs_the_bias_against_the_weighted_sum():
     # a channel with all-zero weights: its bias counts nothing (no division by zero)
     z = bias_range(torch.zeros(2, 3), torch.tensor([5.0, -1.0]))
     assert torch.equal(z, torch.zeros(2))
+
+
+def test_named_configs_turn_cle_on_like_quark():
+    for name in ("A8W8", "A16W8", "BF16", "A8W8_ADAROUND", "BF16_ADAQUANT"):
+        assert qo.get_default_config(name).include_cle is True, name
+    for name in ("BFP16", "MX9", "XINT8"):  # BFP16: no equalization rule beat none on the zoo (docs/benchmarks.md)
+        assert qo.get_default_config(name).include_cle is False, name
+
+
+def test_quantize_model_with_named_a8w8_equalizes(tmp_path):
+    q = qo.ModelQuantizer(Config(global_quant_config=qo.get_default_config("A8W8")))
+    q.quantize_model(dw_separable(), str(tmp_path / "a8w8.onnx"), data(4), progress=False)
+    rep = q.quantized_model.cle_report
+    assert [(a, b) for a, b, _ in rep.pairs] == [("conv1", "dw"), ("dw", "pw"), ("pw", "fc")]
+    assert rep.range_ratio_after["conv1"] < rep.range_ratio_before["conv1"] / 5 and rep.note == ""

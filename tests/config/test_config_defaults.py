@@ -4,6 +4,7 @@ import pytest
 from qtorch_onnx.config import (DEFAULT_CONFIG_NAMES, Config, ExtendedQuantType, QuantizationConfig, QuantType,
                                 get_default_config, required_features, resolve_config)
 from qtorch_onnx.config import defaults as D
+from qtorch_onnx.config import resolve
 from qtorch_onnx.errors import ConfigError, UnsupportedFeatureError
 from qtorch_onnx.formats import spec as F
 
@@ -28,7 +29,7 @@ def test_every_table_name_is_known():
 @pytest.mark.parametrize("name", DEFAULT_CONFIG_NAMES)
 def test_each_name_builds_or_names_its_missing_feature(name):
     qc = QuantizationConfig(**D._BUILDERS[name]())  # always a valid configuration
-    needed = [f for f, _ in required_features(qc)]
+    needed = [f for f, _ in required_features(qc) if not resolve.IMPLEMENTED.get(f, False)]  # "cle" is built in
     if needed:
         with pytest.raises(UnsupportedFeatureError) as e:
             get_default_config(name)
@@ -167,6 +168,7 @@ def test_mixed_table():
 def test_required_features_lists_all():
     feats = [f for f, _ in required_features(QuantizationConfig(**D._BUILDERS["BF16_MIXED_MXINT8"]()))]
     assert feats == ["block_formats", "layerwise_mixprecision"]
-    assert required_features(get_default_config("A8W8")) == []
+    assert required_features(get_default_config("A8W8")) == [("cle", "include_cle=True")]
+    assert required_features(get_default_config("INT8_CNN_DEFAULT")) == []
     assert [f for f, _ in required_features(QuantizationConfig(weight_type=ExtendedQuantType.QBFP,
                                                                activation_type=QuantType.QInt8))] == ["block_formats"]
