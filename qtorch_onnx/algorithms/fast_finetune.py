@@ -16,7 +16,11 @@ finetuned) and in the float model:
   then on, as with AdaRound).
 
 The reconstruction loss is the squared error summed over the channel dimension and averaged over the rest
-(the layer output ``[N, C, ...]``). ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
+(the layer output ``[N, C, ...]``). A Conv1d / Conv2d / Linear layer is linear in its weight and bias, so where
+it is cheaper its mini-batch loss and gradient come from per-sample Gram matrices of its cached input
+(:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`: exact algebra, one ``[out, K] x [K, K]``
+product per iteration instead of a convolution forward and backward); the losses before / after are always
+measured by the layer's forward. Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
 random fraction of the elements (QDrop, Wei et al. 2022). ``SelectiveUpdate`` keeps a layer's update only if
 it lowers the layer's loss on the whole data. A loss that turns NaN stops that layer and restores it.
 """

