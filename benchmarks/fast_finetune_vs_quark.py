@@ -16,9 +16,9 @@ Rows, in this order (a row whose turn comes after ``--budget-minutes`` is skippe
 Both sides get the same configuration name and the same ``FastFinetune`` dict (OptimAlgorithm, NumIterations,
 BatchSize, LearningRate, FixedSeed, DataSize, EarlyStop False so that every layer runs every iteration,
 OptimDevice / InferDevice cpu, TargetOpType; AdaQuant also UpdateBias True, which Quark does when the key is
-absent) and the same calibration data (the zoo's ``calib`` split, 16 images, batch 1 each). ``--seeds N`` runs
-the A8W8 AdaQuant row with the most iterations of each model again with FixedSeed 1 .. N-1 on both sides (the seed moves that
-row's error more than the tools differ):
+absent) and the same calibration data (the zoo's ``calib`` split, 16 images, batch 1 each). ``--seeds N``
+runs the A8W8 AdaQuant row with the most iterations of each model again with FixedSeed 1 .. N-1 on both sides
+(the seed moves that row's error more than the tools differ):
 
 * **ours** (this process): ``qo.get_default_config(name)`` (A8W4: the A8W8 config with
   ``weight_type=QuantType.QInt4, per_channel=True``), ``include_fast_ft=True``,

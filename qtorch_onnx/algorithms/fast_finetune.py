@@ -20,9 +20,10 @@ The reconstruction loss is the squared error summed over the channel dimension a
 it is cheaper its mini-batch loss and gradient come from per-sample Gram matrices of its cached input
 (:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`: exact algebra, one ``[out, K] x [K, K]``
 product per iteration instead of a convolution forward and backward); the losses before / after are always
-measured by the layer's forward. Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
-random fraction of the elements (QDrop, Wei et al. 2022). ``SelectiveUpdate`` keeps a layer's update only if
-it lowers the layer's loss on the whole data. A loss that turns NaN stops that layer and restores it.
+measured by the layer's forward. Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
+input instead of the quantized one to a random fraction of the elements (QDrop, Wei et al. 2022).
+``SelectiveUpdate`` keeps a layer's update only if it lowers the layer's loss on the whole data. A loss that
+turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
@@ -468,7 +469,9 @@ def _quadratic_loss(qm, node, layer, ld, fn, s: FastFinetuneSettings, bs: int, o
     samples; else None."""
     if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1:
         return None
-    if node.op != "call_module" or node.kwargs or len(node.args) != 1 or qm.gm.get_submodule(str(node.target)) is not layer.module:
+    if node.op != "call_module" or node.kwargs or len(node.args) != 1:
+        return None
+    if qm.gm.get_submodule(str(node.target)) is not layer.module:
         return None
     (a, x), = ld.q_inputs.items()
     if node.args[0] is not a or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:

@@ -258,8 +258,8 @@ def _columns(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
             if x.dim() != 3:
                 return None
             x = x.unsqueeze(2)
-            k, d, p, s = (1,) + tuple(module.kernel_size), (1,) + tuple(module.dilation), (0,) + tuple(module.padding), \
-                (1,) + tuple(module.stride)
+            k, d = (1,) + tuple(module.kernel_size), (1,) + tuple(module.dilation)
+            p, s = (0,) + tuple(module.padding), (1,) + tuple(module.stride)
         else:
             if x.dim() != 4:
                 return None
