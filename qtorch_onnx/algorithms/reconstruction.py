@@ -315,7 +315,7 @@ class QuadraticLayerLoss:
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor, train_bias: bool,
-                 chunk: int = 8) -> None:
+                 chunk: int = 4) -> None:
         self.module = module
         n = x.shape[0]
         probe = _columns(module, x[:1])
@@ -341,20 +341,21 @@ class QuadraticLayerLoss:
             self.Y = torch.empty(n, out, dtype=f32, device=dev)
         with torch.no_grad():
             for a in range(0, n, chunk):
-                xc = _columns(module, x[a:a + chunk])                     # [m, g, k, L] float32
-                yc = _target_rows(module, target[a:a + chunk]).float()     # [m, out, L]
+                # float64 sums: H w and G nearly cancel in the gradient (their difference is the layer's error)
+                xc = _columns(module, x[a:a + chunk]).to(torch.float64)   # [m, g, k, L]
+                yc = _target_rows(module, target[a:a + chunk]).to(torch.float64)  # [m, out, L]
                 m = xc.shape[0]
-                self.H[a:a + m] = torch.matmul(xc, xc.transpose(-1, -2))
+                self.H[a:a + m] = torch.matmul(xc, xc.transpose(-1, -2)).to(f32)
                 G = torch.matmul(yc.reshape(m, g, out // g, length), xc.transpose(-1, -2))
-                s = xc.sum(-1, dtype=torch.float64)                         # [m, g, k]
-                Y = yc.sum(-1, dtype=torch.float64)                         # [m, out]
-                c = (yc * yc).sum((1, 2), dtype=torch.float64)
+                s = xc.sum(-1)                                              # [m, g, k]
+                Y = yc.sum(-1)                                              # [m, out]
+                c = (yc * yc).sum((1, 2))
                 if self.train_bias:
                     self.S[a:a + m], self.Y[a:a + m] = s.to(f32), Y.to(f32)
                 elif b is not None:  # fold the constant bias: G' = G - b s, constants L |b|^2 - 2 b.Y
-                    G = (G.to(torch.float64) - b.reshape(1, g, out // g, 1) * s.unsqueeze(2)).to(f32)
+                    G = G - b.reshape(1, g, out // g, 1) * s.unsqueeze(2)
                     c = c + length * b.pow(2).sum() - 2.0 * (Y * b).sum(-1)
-                self.G[a:a + m], self.C[a:a + m] = G, c
+                self.G[a:a + m], self.C[a:a + m] = G.to(f32), c
         self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
 
     @staticmethod
@@ -402,12 +403,12 @@ class QuadraticLayerLoss:
         return (total(self.H), total(self.G), sum(self._c[i] for i in ids),
                 total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
 
-    def _evaluate(self, idx: torch.Tensor, want_grad: bool):
+    def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32):
         m = self.module
         g, k, out = self.groups, self.k, self.out
         wq = m.weight
-        w = wq.detach().reshape(g, out // g, k)
-        H, G, const, S, Y = self._batch(idx)
+        w = wq.detach().reshape(g, out // g, k).to(dtype)
+        H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
         R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
         wf = w.reshape(-1)
         sse = float(torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))) + const  # w.(H w - 2 G) + c
@@ -415,7 +416,7 @@ class QuadraticLayerLoss:
         bq, gb = None, None
         if self.train_bias:
             bq = m.bias
-            b = bq.detach().reshape(out)
+            b = bq.detach().reshape(out).to(dtype)
             ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # w_o . s
             sse += float(2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum())
             if want_grad:
@@ -424,9 +425,10 @@ class QuadraticLayerLoss:
         return wq, R, bq, gb, sse
 
     def value(self, idx: torch.Tensor) -> float:
-        """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it."""
+        """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it
+        (computed in float64: the quadratic form cancels most of the constant ``c``)."""
         with torch.no_grad():
-            return self._evaluate(idx, False)[4] / (idx.numel() * self.denominator)
+            return self._evaluate(idx, False, torch.float64)[4] / (idx.numel() * self.denominator)
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> float:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight
