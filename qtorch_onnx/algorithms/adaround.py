@@ -35,13 +35,15 @@ class AdaRoundRounding(WeightRounding):
         alpha: float32, the weight's shape.
 
     Raises:
-        ValueError: neither ``v`` nor ``shape`` given.
+        ConfigError: neither ``v`` nor ``shape`` given.
     """
 
     def __init__(self, v: torch.Tensor | None = None, shape=None) -> None:
         super().__init__()
         if v is None and shape is None:
-            raise ValueError("AdaRoundRounding needs v (w / scale) or shape")
+            from ..errors import ConfigError
+
+            raise ConfigError("AdaRoundRounding needs v (w / scale) or shape")
         if v is None:
             self.alpha = nn.Parameter(torch.zeros(tuple(shape), dtype=torch.float32))
         else:

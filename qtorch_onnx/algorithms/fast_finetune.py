@@ -16,9 +16,14 @@ finetuned) and in the float model:
   then on, as with AdaRound).
 
 The reconstruction loss is the squared error summed over the channel dimension and averaged over the rest
-(the layer output ``[N, C, ...]``). ``DropRatio`` < 1 feeds the float input instead of the quantized one to a
-random fraction of the elements (QDrop, Wei et al. 2022). ``SelectiveUpdate`` keeps a layer's update only if
-it lowers the layer's loss on the whole data. A loss that turns NaN stops that layer and restores it.
+(the layer output ``[N, C, ...]``). A Conv1d / Conv2d / Linear layer is linear in its weight and bias, so where
+it is cheaper its mini-batch loss and gradient come from per-sample Gram matrices of its cached input
+(:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`: exact algebra, one ``[out, K] x [K, K]``
+product per iteration instead of a convolution forward and backward); the losses before / after are always
+measured by the layer's forward. Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
+input instead of the quantized one to a random fraction of the elements (QDrop, Wei et al. 2022).
+``SelectiveUpdate`` keeps a layer's update only if it lowers the layer's loss on the whole data. A loss that
+turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
@@ -29,17 +34,15 @@ import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
-from ..formats.spec import IntFormat
 from .adaround import AdaRoundRounding, beta_schedule
-from .reconstruction import StagedExecutor
+from .reconstruction import QuadraticLayerLoss, StagedExecutor
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
 
@@ -59,6 +62,8 @@ class LayerRecord:
     seconds: float
     kept: bool = True
     note: str = ""
+    loop_seconds: float = 0.0  # the iterations alone (wall), without the data, the losses before / after
+    loop_cpu_seconds: float = 0.0  # the same in CPU time of the calling thread
 
 
 @dataclass
@@ -195,7 +200,7 @@ def _targets(qm, s: FastFinetuneSettings):
         fq = layer.weight_quantizer
         if layer.weight is None or fq is None or not fq.fake_quant_enabled or layer.module is None:
             continue
-        if s.optim_algorithm == "adaround" and not isinstance(fq.fmt, IntFormat):
+        if s.optim_algorithm == "adaround" and not fq.fmt.family.integer_grid:
             raise ConfigError(
                 f"FastFinetune OptimAlgorithm 'adaround': layer {layer.name!r} ({layer.op_type}) has a {fq.fmt.name} "
                 "weight; AdaRound learns the rounding of integer weights only: use OptimAlgorithm 'adaquant'")
@@ -223,17 +228,21 @@ def _output_quantizer(qm, node):
 
 
 def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[str] = None, progress: bool = True,
-                  report_dir: Optional[str] = None, **overrides):
+                  report_dir: Optional[str] = None, quadratic_loss: bool = True, **overrides):
     """Finetune ``qm``'s weights layer by layer (AdaRound or AdaQuant) on ``data``; returns ``qm`` (in place).
 
     Args:
-        qm: a prepared and calibrated :class:`~qtorch_onnx.quantizer.QuantizedModel`.
+        qm: a prepared and calibrated :class:`~qtorch_onnx.model.QuantizedModel`.
         data: calibration-style data (any form :func:`qtorch_onnx.calibrate` accepts).
         settings: a :class:`~qtorch_onnx.config.internal.FastFinetuneSettings`, a Quark ``FastFinetune`` dict
             (validated like the config), or None for ``qm.config.fast_finetune`` (else the defaults).
         algorithm: ``"adaround"`` / ``"adaquant"``, overriding the settings' (and its default learning rate).
         progress: tqdm bars (layers; iterations of the current layer with its loss).
         report_dir: write ``fast_finetune.json`` and ``fast_finetune.png`` there.
+        quadratic_loss: let layers whose loss is a quadratic form of their weight (Conv1d / Conv2d / Linear
+            on one cached input, no QDrop, no OutputQDQ) train from precomputed Gram matrices where that takes
+            fewer multiply-adds (:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`); False:
+            every iteration runs the layer forward and backward.
         **overrides: FastFinetuneSettings fields, e.g. ``num_iterations=200, batch_size=8``.
 
     Returns:
@@ -292,7 +301,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             t_layer = time.perf_counter()
             ex.advance_to(node)
             ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
-            rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress)
+            rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss)
             rec.seconds = time.perf_counter() - t_layer
             report.layers.append(rec)
             bar.set_postfix_str(f"{layer.name}: {rec.loss_before:.3g} -> {rec.loss_after:.3g}")
@@ -314,7 +323,8 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     return qm
 
 
-def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool) -> LayerRecord:
+def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool,
+                    quadratic_loss: bool = True) -> LayerRecord:
     from tqdm.auto import tqdm
 
     fq = layer.weight_quantizer
@@ -356,10 +366,14 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     if s.lr_adjust is not None and loss_before > s.lr_adjust[0]:
         lr = s.lr_adjust[1]  # Quark's LRAdjust: a layer with a large error gets its own learning rate
         rec.note = f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = _adam(params, lr)
     n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     bs = min(s.batch_size, n)
+    quad = _quadratic_loss(qm, node, layer, ld, fn, s, bs, out_q) if quadratic_loss else None
+    if quad is not None:
+        rec.note = (rec.note + "; " if rec.note else "") + quad[1]
+        quad = quad[0]
     warm = int(math.ceil(s.warm_start * s.num_iterations))
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
     # iterations when > 1, else a tenth of NumIterations) must beat the best window so far, or the layer stops
@@ -368,11 +382,15 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     diverged = False
     it_bar = tqdm(range(s.num_iterations), desc=layer.name, leave=False, disable=not progress or s.num_iterations < 50)
     it = 0
+    t_loop, c_loop = time.perf_counter(), time.thread_time()
     for it in it_bar:
         opt.zero_grad(set_to_none=True)
         rec_value = 0.0
         for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
             idx = torch.randint(0, n, (bs,), generator=gen).to(ex.device)
+            if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
+                rec_value += quad.backward(idx, 1.0 / s.num_batches)
+                continue
             inputs = {}
             for a, x in ld.q_inputs.items():
                 xb = x.index_select(0, idx)
@@ -403,6 +421,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
                     rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
                     break
                 best = mean
+    rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
     it_bar.close()
     rec.iterations = it + 1
     for p in params:
@@ -427,6 +446,46 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {layer.name!r}: {rec.note}", stacklevel=3)
     return rec
+
+
+def _adam(params: List[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """Adam (betas 0.9 / 0.999, eps 1e-8, as Quark's), fused into one kernel per parameter where torch has it
+    for the device (CPU and CUDA float32: one pass over the parameter and its moments instead of about ten;
+    deterministic), else torch's default implementation."""
+    if all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
+        try:
+            return torch.optim.Adam(params, lr=lr, fused=True)
+        except (RuntimeError, TypeError, ValueError):  # a torch without the fused kernel for this device
+            pass
+    return torch.optim.Adam(params, lr=lr)
+
+
+def _quadratic_loss(qm, node, layer, ld, fn, s: FastFinetuneSettings, bs: int, out_q):
+    """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
+    (a plain Conv1d / Conv2d / Linear called on one cached activation, no QDrop mixing, no output quantizer,
+    fewer multiply-adds than the forward path for these iterations), checked against the forward path on a few
+    samples; else None."""
+    if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1:
+        return None
+    if node.op != "call_module" or node.kwargs or len(node.args) != 1:
+        return None
+    if qm.gm.get_submodule(str(node.target)) is not layer.module:
+        return None
+    (a, x), = ld.q_inputs.items()
+    if node.args[0] is not a or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return None
+    why = QuadraticLayerLoss.plan(layer.module, x, ld.target, s.num_iterations * s.num_batches, bs)
+    if why is None:
+        return None
+    quad = QuadraticLayerLoss(layer.module, x, ld.target,
+                              train_bias=s.optim_algorithm == "adaquant" and s.update_bias and layer.bias is not None)
+    probe = torch.arange(min(ld.target.shape[0], 4), device=x.device)
+    with torch.no_grad():  # the algebra must give the forward path's loss (same quantized weight and bias)
+        lq = quad.value(probe)
+        lf = float(_rec_loss(fn({a: x.index_select(0, probe)}), ld.target.index_select(0, probe)))
+    if not (math.isfinite(lq) and abs(lq - lf) <= 1e-3 * abs(lf) + 1e-6):
+        return None
+    return quad, why
 
 
 def adaround(qm, data: Any, settings: Any = None, **kw):

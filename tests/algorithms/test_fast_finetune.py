@@ -196,3 +196,71 @@ def test_adaround_int4_weights_export_bit_exact(opset, weight_type, per_channel)
     assert w2.data_type == int4
     dq = next(n for n in exported.graph.node if n.input and n.input[0] == "w2_quantized")
     assert dq.domain == ("" if opset >= 21 else "com.microsoft")
+
+
+def _forward_loss_and_grads(module, x, target, params):
+    from qtorch_onnx.algorithms.fast_finetune import _rec_loss
+
+    for p in params:
+        p.grad = None
+    loss = _rec_loss(module(x), target)
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.Conv2d(6, 8, 3, stride=2, padding=(1, 2), dilation=(1, 2), groups=2), (5, 6, 11, 9)),
+    (lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), (5, 4, 8, 8)),    # depthwise
+    (lambda: torch.nn.Conv2d(6, 5, 1, bias=False), (5, 6, 7, 3)),             # 1x1: columns are a view
+    (lambda: torch.nn.Conv1d(3, 4, 5, stride=2, padding=2), (5, 3, 17)),
+    (lambda: torch.nn.Linear(7, 3), (5, 7)),
+    (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),                               # loss sums over dim 1 (tokens)
+])
+@pytest.mark.parametrize("train_bias", [False, True])
+def test_quadratic_loss_equals_the_forward_loss_and_gradient(make, shape, train_bias):
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn_like(m(x))
+    if m.bias is not None:
+        m.bias.requires_grad_(train_bias)
+    params = [m.weight] + ([m.bias] if m.bias is not None and train_bias else [])
+    quad = QuadraticLayerLoss(m, x, target, train_bias=train_bias)
+    for idx in ([0, 3], [2, 2, 4], [1]):
+        i = torch.tensor(idx)
+        ref, ref_grads = _forward_loss_and_grads(m, x.index_select(0, i), target.index_select(0, i), params)
+        assert quad.value(i) == pytest.approx(ref, rel=1e-4)
+        for p in params:
+            p.grad = None
+        assert quad.backward(i, 0.5) == pytest.approx(0.5 * ref, rel=1e-4)
+        for p, g in zip(params, ref_grads):
+            torch.testing.assert_close(p.grad, 0.5 * g, rtol=1e-3, atol=1e-5)
+    # the planner: a budget too small, or a module it does not cover, means forward passes
+    assert QuadraticLayerLoss.plan(m, x, target, 1000, 2, budget=16) is None
+    t = torch.nn.ConvTranspose2d(4, 4, 3)
+    assert QuadraticLayerLoss.plan(t, torch.randn(2, 4, 5, 5), torch.randn(2, 4, 7, 7), 1000, 2) is None
+
+
+@pytest.mark.parametrize("algorithm,kw", [("adaround", {}), ("adaquant", dict(update_bias=True, learning_rate=1e-5))])
+def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
+    """The Gram-matrix path trains on the same loss and gradient as the forward path: the same layers improve by
+    about as much, and the result exports bit-exactly."""
+    reps = {}
+    for quadratic in (False, True):
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=300, batch_size=2, progress=False,
+                      quadratic_loss=quadratic, **kw)
+        reps[quadratic] = qm.finetune_report.layers
+        if quadratic:
+            _bit_exact(qm, calib_data(3, seed=9))
+    used = [r.name for r in reps[True] if "quadratic loss" in r.note]
+    assert used, [r.note for r in reps[True]]
+    assert not any("quadratic loss" in r.note for r in reps[False])
+    for a, b in zip(reps[False], reps[True]):  # float rounding moves the Adam trajectories apart a little
+        assert a.name == b.name
+        assert abs(b.loss_after - a.loss_after) <= 0.2 * max(a.loss_before, b.loss_before), (a, b)
+        if algorithm == "adaround":
+            assert b.loss_after < b.loss_before
