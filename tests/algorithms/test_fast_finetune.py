@@ -264,3 +264,26 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
         assert abs(b.loss_after - a.loss_after) <= 0.2 * max(a.loss_before, b.loss_before), (a, b)
         if algorithm == "adaround":
             assert b.loss_after < b.loss_before
+
+
+def test_adaquant_reconstructs_through_the_following_activation():
+    """conv1 feeds only relu1 and fc only the softmax: AdaQuant (by default) compares those activations' outputs,
+    as Quark 0.13 does; AdaRound and through_activation=False compare the layer's output; layers feeding
+    anything else are unchanged."""
+    def notes(algorithm, **kw):
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=40, batch_size=4, progress=False,
+                      **({"learning_rate": 1e-4, "selective_update": True} if algorithm == "adaquant" else {}), **kw)
+        return {r.name: r for r in qm.finetune_report.layers}, qm
+
+    rec, qm = notes("adaquant")
+    assert "through the following relu1" in rec["conv1"].note and rec["conv1"].loss_after <= rec["conv1"].loss_before
+    assert "through the following softmax" in rec["fc"].note  # Softmax is one of Quark's activation ops
+    assert not any("reconstructed through" in rec[n].note for n in ("conv2", "conv3"))  # read by Add / Concat
+    _bit_exact(qm, calib_data(3, seed=9))
+    plain, _ = notes("adaquant", through_activation=False)
+    assert not any("reconstructed through" in r.note for r in plain.values())
+    # the loss through Relu never exceeds the loss before it (Relu is 1-Lipschitz), on the same weights
+    assert rec["conv1"].loss_before <= plain["conv1"].loss_before
+    rounded, _ = notes("adaround")
+    assert not any("reconstructed through" in r.note for r in rounded.values())
