@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from onnx import numpy_helper
 from torch import nn
 
 from ..config.internal import CLESettings
@@ -69,7 +68,10 @@ def _graph_maps(model) -> Tuple[Dict[str, List[Any]], set, Dict[str, np.ndarray]
 
 
 def _const(inits, name: str) -> Optional[np.ndarray]:
-    return numpy_helper.to_array(inits[name]) if name in inits else None
+    """An initializer's value (read from its external data file when a model past 2 GiB left it there), or None."""
+    from ..lift.normalize import read_initializer
+
+    return read_initializer(inits[name]) if name in inits else None
 
 
 def _module_of(gm, node_name: str) -> Optional[nn.Module]:
