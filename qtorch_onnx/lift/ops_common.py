@@ -182,11 +182,17 @@ def tensor_from_proto(proto: onnx.TensorProto) -> torch.Tensor:
     Raises:
         ConversionNotSupported: STRING tensors (no torch dtype; names the tensor).
     """
-    import numpy as np
-
     if proto.data_type == onnx.TensorProto.STRING:
         raise ConversionNotSupported(f"tensor {proto.name!r} has element type STRING, which has no torch dtype")
-    arr = onnx.numpy_helper.to_array(proto)
+    return array_to_torch(onnx.numpy_helper.to_array(proto))
+
+
+def array_to_torch(arr) -> torch.Tensor:
+    """A numeric numpy array (ml_dtypes included) -> a new torch tensor in the lifter's dtype convention
+    (:func:`tensor_from_proto`): bfloat16/float8 reinterpreted bit for bit, int4/int2 widened to int8,
+    uint4/uint2 to uint8, float4/float6 as uint8 bit codes, other dtypes as they are (copied)."""
+    import numpy as np
+
     name = arr.dtype.name
     if name in _ML_DTYPES:
         bits = np.ascontiguousarray(arr).view(np.uint16 if arr.dtype.itemsize == 2 else np.uint8).copy()

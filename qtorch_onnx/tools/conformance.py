@@ -373,29 +373,17 @@ def to_torch(value):
     unpacked, one value per byte, as torch.int8/torch.uint8; float4e2m1 / float6 are carried as their
     bit codes in torch.uint8 (``qtorch_onnx.lift.ops_quant`` documents the convention).
     """
-    import torch
+    from qtorch_onnx.lift.ops_common import array_to_torch
 
     if value is None:
         return None
     if isinstance(value, list):
         return [to_torch(v) for v in value]
+
     arr = np.asarray(value)
-    name = arr.dtype.name
-    direct = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz":
-              torch.float8_e4m3fnuz, "float8_e5m2": torch.float8_e5m2, "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-              "float8_e8m0fnu": torch.float8_e8m0fnu}
-    if name in direct:
-        bits = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16 if arr.dtype.itemsize == 2 else np.uint8).copy())
-        return bits.view(direct[name])
-    if name in ("int4", "int2"):
-        return torch.from_numpy(arr.astype(np.int8))
-    if name in ("uint4", "uint2"):
-        return torch.from_numpy(arr.astype(np.uint8))
-    if name in ("float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"):
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).copy())
     if arr.dtype.kind in "OUS":
         raise TypeError(f"string tensors have no torch dtype (dtype {arr.dtype})")
-    return torch.from_numpy(np.array(arr, copy=True))
+    return array_to_torch(arr)
 
 
 def to_numpy(tensor, like: np.ndarray | None = None):
