@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from .. import data as _data
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from ..formats.spec import Format
 
 __all__ = ["sensitivity", "auto_mixed_precision", "SensitivityReport", "MixedPrecisionPlan", "resolve_metric",
@@ -564,11 +564,6 @@ def _as_candidate(c) -> Tuple[Format, Format]:
     return (c, c)
 
 
-def _bits(fmt: Format) -> float:
-    """Storage bits per element of ``fmt`` (the format family table's ``bits_per_element``)."""
-    return fmt.bits_per_element
-
-
 class _ModelIndex:
     """What :class:`_Patch` looks up on a model, computed once per model instead of once per patch: its layers
     by name, its quantizers by key, the modules owning each quantizer slot, and the owner of every weight
@@ -796,9 +791,9 @@ def _layer_entries(qm, names: Sequence[str], cands: Sequence[Tuple[Format, Forma
     for n in names:
         ls = LayerSensitivity(n, layer_by[n].op_type)
         w, wq = layer_by[n].weight, layer_by[n].weight_quantizer
-        ls.weight_bytes["wide"] = w.numel() * _bits(wq.fmt) / 8 if w is not None and wq is not None else 0.0
+        ls.weight_bytes["wide"] = w.numel() * wq.fmt.bits_per_element / 8 if w is not None and wq is not None else 0.0
         for c in cands:
-            ls.weight_bytes[_candidate_name(c)] = w.numel() * _bits(c[1]) / 8 if w is not None else 0.0
+            ls.weight_bytes[_candidate_name(c)] = w.numel() * c[1].bits_per_element / 8 if w is not None else 0.0
         out.append(ls)
     return out
 
@@ -1031,7 +1026,7 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     cfg = resolve(wide)
     act_n, w_n = _as_candidate(narrow)
     for kind, wide_f, narrow_f in (("activation", cfg.activation, act_n), ("weight", cfg.weight, w_n)):
-        if _bits(narrow_f) > _bits(wide_f):
+        if narrow_f.bits_per_element > wide_f.bits_per_element:
             raise ConfigError(f"AutoMixprecision target type {narrow_f.name} for {kind}s is wider than the wide "
                               f"{kind} type {wide_f.name}: the target must be the narrower format")
     if act_n == cfg.activation and w_n == cfg.weight:
