@@ -226,10 +226,10 @@ def _fx_node(qm, layer):
 ACTIVATION_OPS = ("Relu", "LeakyRelu", "Gelu", "Tanh", "Clip", "Sigmoid", "Softmax")
 
 
-def _following_activation(qm, node):
+def _following_activation(op_of: Dict[str, str], node):
     """``(activation fx node, the fx node it reads)`` when ``node``'s output goes only to an
-    :data:`ACTIVATION_OPS` node (through the tensor's own quantizers), else None."""
-    op_of = {i.fx_node: i.op_type for i in qm.tensor_map.graph.nodes.values() if i.fx_node}
+    :data:`ACTIVATION_OPS` node (through the tensor's own quantizers), else None. ``op_of``: fx node name ->
+    ONNX op type of the node it runs."""
     cur = node
     while True:
         users = list(cur.users)
@@ -302,6 +302,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
                       f"{device}; the other devices are not used", stacklevel=2)
     targets = _targets(qm, s)
     through = (s.optim_algorithm == "adaquant") if through_activation is None else bool(through_activation)
+    op_of = {i.fx_node: i.op_type for i in qm.tensor_map.graph.nodes.values() if i.fx_node} if through else {}
     original_device = qm.device
     qm.to(device)
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
@@ -333,7 +334,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             t_layer = time.perf_counter()
             ex.advance_to(node)
             ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
-            act = _following_activation(qm, node) if through and not s.output_qdq else None
+            act = _following_activation(op_of, node) if through and not s.output_qdq else None
             rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act)
             rec.seconds = time.perf_counter() - t_layer
             report.layers.append(rec)

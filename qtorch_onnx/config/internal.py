@@ -307,10 +307,15 @@ class ResolvedConfig:
             return getattr(getattr(self, group), f)
         if name in {f.name for f in fields(self)} or name == "include_cle":
             return getattr(self, name)
+        raise self._unknown(name)
+
+    @classmethod
+    def _unknown(cls, name: str):
+        """The ConfigError for a setting name that is neither flat nor top-level (lists the valid ones)."""
         from ..errors import ConfigError, closest
 
-        valid = sorted(set(FLAT_NAMES) | {f.name for f in fields(self)})
-        raise ConfigError(f"ResolvedConfig: unknown setting {name!r}{closest(name, valid)}; valid: {valid}")
+        valid = sorted(set(FLAT_NAMES) | {f.name for f in fields(cls)})
+        return ConfigError(f"ResolvedConfig: unknown setting {name!r}{closest(name, valid)}; valid: {valid}")
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> "ResolvedConfig":
@@ -321,7 +326,7 @@ class ResolvedConfig:
         Raises:
             ConfigError: an unknown name (lists the valid ones).
         """
-        from ..errors import ConfigError, closest
+        from ..errors import ConfigError
 
         groups: dict = {g: {} for g in _GROUPS}
         top: dict = {}
@@ -335,8 +340,7 @@ class ResolvedConfig:
             elif name == "include_cle":
                 continue  # implied by ``cle``
             else:
-                valid = sorted(set(FLAT_NAMES) | tops)
-                raise ConfigError(f"ResolvedConfig: unknown setting {name!r}{closest(name, valid)}; valid: {valid}")
+                raise cls._unknown(name)
         for g, cls_g in _GROUPS.items():
             if g not in top:
                 top[g] = cls_g(**groups[g])
