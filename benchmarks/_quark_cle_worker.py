@@ -17,17 +17,7 @@ import json
 import sys
 import time
 
-import numpy as np
-
-
-class Reader:
-    """An ONNX Runtime CalibrationDataReader over a list of samples."""
-
-    def __init__(self, samples):
-        self._it = iter(samples)
-
-    def get_next(self):
-        return next(self._it, None)
+from _quark_amp_worker import Reader, _load_data  # this folder, stdlib + numpy only at import
 
 
 def main(job_path: str) -> None:
@@ -37,8 +27,7 @@ def main(job_path: str) -> None:
 
     with open(job_path) as fh:
         job = json.load(fh)
-    with np.load(job["calib"], allow_pickle=False) as z:
-        samples = [{name: z[f"s{i}_{j}"] for j, name in enumerate(job["input_names"])} for i in range(int(z["count"]))]
+    samples, _ = _load_data(job["calib"], job["input_names"])
     results = []
     for run in job["runs"]:
         rec = {"name": run["name"]}

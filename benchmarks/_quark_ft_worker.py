@@ -35,25 +35,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-
-def _load(path: str, names: List[str]) -> List[Dict[str, np.ndarray]]:
-    with np.load(path, allow_pickle=False) as z:
-        n = int(z["count"])
-        return [{name: z[f"s{i}_{j}"] for j, name in enumerate(names)} for i in range(n)]
-
-
-class Reader:
-    """An ONNX Runtime CalibrationDataReader over a list of samples."""
-
-    def __init__(self, samples):
-        self._samples = samples
-        self._it = iter(samples)
-
-    def get_next(self):
-        return next(self._it, None)
-
-    def rewind(self):
-        self._it = iter(self._samples)
+from _quark_amp_worker import Reader, _load_data  # this folder, stdlib + numpy only at import
 
 
 class _Timer:
@@ -145,8 +127,8 @@ def main(job_path: str) -> int:
     timer.wrap(sgm.Subgraph, "get_training_data", "layer_data")
 
     lib = get_library_path("CPU")
-    calib = _load(job["calib"], job["input_names"])
-    evals = _load(job["eval"], job["input_names"])
+    calib, _ = _load_data(job["calib"], job["input_names"])
+    evals, _ = _load_data(job["eval"], job["input_names"])
     results = []
     for run in job["runs"]:
         timer.reset()
