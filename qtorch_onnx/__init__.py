@@ -4,7 +4,7 @@ Public API (and nothing else): the Quark-compatible vocabulary (``ModelQuantizer
 ``QuantizationConfig``, ``get_default_config``, the type enums), the native torch API (``lift``, ``prepare``,
 ``calibrate``, ``export``, ``load_quantized``), the training contract (``learn_scales``, the observer /
 fake-quant switches, ``QuantLayer``, ``save`` / ``load``), algorithms (``fast_finetune``, ``adaround``,
-``adaquant``, ``sensitivity``, ``auto_mixed_precision``), metrics (``evaluate``) and ONNX Runtime helpers
+``adaquant``, ``bias_correction``, ``sensitivity``, ``auto_mixed_precision``), metrics (``evaluate``) and ONNX Runtime helpers
 (``get_library_path``).
 
 ``import qtorch_onnx`` imports neither torch nor onnx2torch: every public name is looked up in
@@ -49,7 +49,7 @@ _LAZY = {
     **dict.fromkeys(("learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant",
                      "disable_fake_quant", "observers_disabled", "fake_quant_disabled", "QuantLayer"), "training"),
     **dict.fromkeys(("fast_finetune", "adaround", "adaquant", "sensitivity", "auto_mixed_precision",
-                     "MixedPrecisionPlan"), "algorithms"),
+                     "MixedPrecisionPlan", "bias_correction"), "algorithms"),
 }
 
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
@@ -67,7 +67,7 @@ __all__ = [
     "prepare", "get_library_path", "export", "load_quantized",
     "learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     "observers_disabled", "fake_quant_disabled", "QuantLayer", "fast_finetune", "adaround", "adaquant",
-    "sensitivity", "auto_mixed_precision", "MixedPrecisionPlan",
+    "sensitivity", "auto_mixed_precision", "MixedPrecisionPlan", "bias_correction",
     "__version__",
 ]
 

