@@ -123,15 +123,14 @@ def _channel_axis(module: Optional[nn.Module]) -> Optional[int]:
     return None
 
 
-def _channel_means(fn, ld, axis: int, chunk: int = 64) -> torch.Tensor:
-    """Per-channel mean of ``fn(inputs)`` (``fn=None``: the float target) over every other axis and all samples,
-    float64."""
+def _channel_means(ex: StagedExecutor, node, fn, axis: int) -> torch.Tensor:
+    """Per-channel mean of ``fn(inputs)`` (``fn=None``: the float model's output) over every other axis and all
+    samples, float64; chunk by chunk, so samples of different shapes are fine."""
     total, count = None, 0
-    n = ld.target.shape[0]
     with torch.no_grad():
-        for i in range(0, n, chunk):
-            y = (ld.target[i:i + chunk] if fn is None else
-                 fn({a: x[i:i + chunk] for a, x in ld.q_inputs.items()})).double()
+        for c in range(len(ex.chunks)):
+            inputs, target = ex.chunk_data(node, c)
+            y = (target if fn is None else fn(inputs)).double()
             d = y.movedim(axis, 0).reshape(y.shape[axis], -1)
             total = d.sum(1) if total is None else total + d.sum(1)
             count += d.shape[1]
@@ -206,7 +205,7 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
     qm.eval()
     qf.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
-    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, mem_opt_level)
+    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, mem_opt_level, what="bias correction")
     from .fast_finetune import _fx_node
 
     nodes = {l.name: _fx_node(qm, l) for l in layers}
@@ -224,7 +223,7 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
             rec = BiasCorrectionRecord(layer.name, layer.op_type, channels)
             report.layers.append(rec)
             ex.advance_to(node)
-            ld = ex.layer_data(node, with_float_inputs=False)  # also steps the float model past the layer
+            ex.step(node, quantized=False, float_too=True)  # the float model's output of the layer
             if layer.bias is None or axis is None or layer.bias.dim() != 1:
                 rec.note = ("no bias (a MatMul's bias is a separate Add; optimize_model fuses MatMul + Add "
                             "into a biased layer): left as it is" if layer.bias is None
@@ -233,8 +232,8 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
                 continue
             fn = ex.layer_fn(node)
             ref_fn = _with_float_weight(fn, layer.weight_quantizer) if reference == "weights" else None
-            ref = _channel_means(ref_fn, ld, axis)  # with the bias as it was
-            shift = _channel_means(fn, ld, axis) - ref
+            ref = _channel_means(ex, node, ref_fn, axis)  # with the bias as it was
+            shift = _channel_means(ex, node, fn, axis) - ref
             if shift.numel() != layer.bias.numel():
                 rec.note = f"output has {shift.numel()} channels on axis {axis}, bias {layer.bias.numel()}: left as it is"
                 ex.finish_layer(node)
@@ -247,12 +246,11 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
                 continue
             with torch.no_grad():
                 layer.bias.sub_(shift.to(layer.bias.dtype).to(layer.bias.device))
-            after = _channel_means(fn, ld, axis) - ref
+            after = _channel_means(ex, node, fn, axis) - ref
             rec.max_shift_after = float(after.abs().max())
             rec.mean_shift_after = float(after.abs().mean())
             rec.corrected = True
             bar.set_postfix_str(f"{layer.name}: {rec.max_shift_before:.3g} -> {rec.max_shift_after:.3g}")
-            del ld
             ex.finish_layer(node)
     finally:
         bar.close()

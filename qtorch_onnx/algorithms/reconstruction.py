@@ -84,14 +84,17 @@ class StagedExecutor:
         device: compute device. mem_opt_level: 0 keep cached values on ``device`` (moved to the host past
             ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder).
         budget_bytes: level 0: cached bytes on the device before spilling to the host.
+        what: the algorithm's name, for messages.
 
     Raises:
         DataError: the samples do not stack along dim 0 for a target layer (inputs of varying shapes).
     """
 
     def __init__(self, q_gm: fx.GraphModule, f_gm: fx.GraphModule, chunks: Sequence[Tuple[torch.Tensor, ...]],
-                 device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30) -> None:
+                 device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30,
+                 what: str = "fast finetune") -> None:
         self.q_gm, self.f_gm = q_gm, f_gm
+        self.what = what
         self.q_nodes = list(q_gm.graph.nodes)
         self.f_by_name = {n.name: n for n in f_gm.graph.nodes}
         self.chunks = list(chunks)
@@ -181,11 +184,11 @@ class StagedExecutor:
     def _stack(self, env: Dict[str, List[Any]], name: str) -> torch.Tensor:
         vals = [self.spill.get(v) for v in env[name]]
         if not all(isinstance(v, torch.Tensor) for v in vals):
-            raise DataError(f"fast finetune: fx node {name!r} does not carry a tensor")
+            raise DataError(f"{self.what}: fx node {name!r} does not carry a tensor")
         try:
             return torch.cat(vals, 0) if len(vals) > 1 else vals[0]
         except RuntimeError as exc:
-            raise DataError(f"fast finetune: the cached values of {name!r} do not stack along the batch dimension "
+            raise DataError(f"{self.what}: the cached values of {name!r} do not stack along the batch dimension "
                             f"({exc}); give samples of one shape") from exc
 
     def layer_data(self, node: fx.Node, with_float_inputs: bool) -> LayerData:
@@ -200,6 +203,12 @@ class StagedExecutor:
         self.step(node, quantized=False, float_too=True)  # the float target
         data.target = self._stack(self.f_env, node.name)
         return data
+
+    def chunk_data(self, node: fx.Node, chunk: int) -> Tuple[Dict[fx.Node, torch.Tensor], torch.Tensor]:
+        """``(activation inputs, float output)`` of ``node`` for one chunk of samples, unstacked (chunks may
+        differ in shape). The float output must have been computed: ``step(node, quantized=False)``."""
+        inputs = {a: self.spill.get(self.q_env[a.name][chunk]) for a in node.all_input_nodes if not self.const[a.name]}
+        return inputs, self.spill.get(self.f_env[node.name][chunk])
 
     def layer_fn(self, node: fx.Node) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
         """``fn(inputs) -> output`` running ``node`` of the quantized graph on given activation inputs, its

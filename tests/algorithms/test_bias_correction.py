@@ -155,3 +155,18 @@ def test_user_data_not_mutated_and_memory_levels_agree(tmp_path):
     for a, b in zip(data, kept):
         np.testing.assert_array_equal(a["input"], b["input"])
     assert (tmp_path / "l0" / "bias_correction.json").exists() and (tmp_path / "l0" / "bias_correction.png").exists()
+
+
+def test_samples_of_different_spatial_shapes():
+    """A detector's calibration images differ in size: the shift is averaged chunk by chunk, never stacked."""
+    model = cnn()
+    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
+        if i >= 2:
+            d.Clear()
+            d.dim_param = "HW"[i - 2]
+    rng = np.random.default_rng(3)
+    data = calib_data(4) + [{"input": rng.normal(0, 1, (1, 3, 20, 24)).astype(np.float32)} for _ in range(4)]
+    qm = _prepared("A8W8", model, data)
+    bias_correction(qm, data, progress=False)
+    rep = qm.bias_correction_report
+    assert rep.samples == 8 and all(r.corrected for r in rep.layers), rep.layers
