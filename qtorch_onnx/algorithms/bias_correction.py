@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import time
@@ -70,16 +71,17 @@ class BiasCorrectionRecord:
 @dataclass
 class BiasCorrectionReport:
     """What :func:`bias_correction` did (``qm.bias_correction_report``): per-layer records, the reference, the
-    number of samples and the stage times in seconds."""
+    number of samples, the stage times in seconds, and a note when no layer could be corrected."""
 
     reference: str
     samples: int
     layers: List[BiasCorrectionRecord] = field(default_factory=list)
     stage_times: Dict[str, float] = field(default_factory=dict)
+    note: str = ""
 
     def to_json(self) -> Dict[str, Any]:
         return {"reference": self.reference, "samples": self.samples, "stage_times": self.stage_times,
-                "layers": [asdict(r) for r in self.layers]}
+                "note": self.note, "layers": [asdict(r) for r in self.layers]}
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``bias_correction.json`` and the plot ``bias_correction.png`` (mean |shift| per layer, before and
@@ -173,8 +175,9 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         ``qm``, with ``qm.bias_correction_report`` (:class:`BiasCorrectionReport`).
 
     Raises:
-        ConfigError: a ``settings`` value that is not a bool, an unknown ``reference``, ``op_types`` that match no
-            layer with a weight quantizer, a ``mem_opt_level`` outside 0-2.
+        ConfigError: a ``settings`` value that is not a bool, an unknown ``reference``, ``op_types`` given that
+            match no layer with a weight quantizer (with the default op types such a model is left as it is, with
+            ``report.note``), a ``mem_opt_level`` outside 0-2.
         DataError: empty data, or inputs that do not match the model.
     """
     if settings is not None and not isinstance(settings, bool):
@@ -189,13 +192,20 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
     ops = tuple(op_types) if op_types is not None else BIAS_CORRECTION_OP_TYPES
     layers = [l for l in qm.layers(ops) if l.weight is not None and l.weight_quantizer is not None
               and l.module is not None and l.weight_quantizer.fake_quant_enabled]
-    if not layers:
-        have = sorted({l.op_type for l in qm.layers() if l.weight is not None})
-        raise ConfigError(f"bias_correction op_types {list(ops)}: no layer with a quantized weight matches; the "
-                          f"model's weighted layers are {have}")
     samples = _data.to_samples(data, qm.input_specs, what="bias correction data")
     n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
     report = BiasCorrectionReport(reference=reference, samples=n_samples)
+    if not layers:
+        have = sorted({l.op_type for l in qm.layers() if l.weight is not None})
+        if op_types is not None:  # asked for by name: say it does not match
+            raise ConfigError(f"bias_correction op_types {list(ops)}: no layer with a quantized weight matches; the "
+                              f"model's weighted layers are {have}")
+        # the named A8W8 / A16W8 configs reach models without such layers (a recurrent model): a note, not an error
+        report.note = (f"no {'/'.join(ops)} layer with a quantized weight (weighted layers: {have or 'none'}): "
+                       "nothing corrected")
+        logging.getLogger(__name__).info("bias correction: %s", report.note)
+        qm.bias_correction_report = report
+        return qm
     device = qm.device
     qf = copy.deepcopy(qm)  # the float reference: fake quantization off
     for m in qf.modules():

@@ -134,6 +134,12 @@ def test_bad_input_is_named():
         bias_correction(qm, [])
     assert bias_correction(qm, calib_data(4), settings=False) is qm
     assert not hasattr(qm, "bias_correction_report")
+    # a model without a correctable layer: a note with the default op types (the named configs reach such models)
+    bias_correction(qm, calib_data(4), op_types=None, progress=False)
+    qe = qo.prepare(token_block(), "A8W8")
+    qo.calibrate(qe, token_data(4), progress=False)
+    bias_correction(qe, token_data(4), progress=False)
+    assert not any(r.corrected for r in qe.bias_correction_report.layers)
     # the pipeline without data says which key needs it
     q = qo.ModelQuantizer(qo.Config(global_quant_config=qo.get_default_config("BF16")))
     cfg = qo.get_default_config("BF16")
