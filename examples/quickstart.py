@@ -68,6 +68,9 @@ def run_one(model_name: str, config: str, n_calib: int, n_eval: int, device: str
         qo.calibrate(qm, calib, progress=verbose)
     else:
         qm.set_mode("quantize")
+    if qm.config.bias_correction:  # the named A8W8 / A16W8 configs: BiasCorrection, as ModelQuantizer runs it
+        stage(f"bias correction on the {len(calib)} calibration images")
+        qo.bias_correction(qm, calib, progress=verbose)
     samples = to_samples(evald, qm.input_specs, what="evaluation data")
     stage(f"evaluate the emulation against the float model on {len(samples)} held-out images")
     float_sess = session(qm.onnx_model)
