@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import warnings
 from typing import Any, Optional, Union
 
 import onnx
@@ -113,11 +112,7 @@ class ModelQuantizer:
                             "give calibration_data_reader or calibration_data_path")
         proto = load_model(model_input)
         samples = _data.to_samples(data, _data.input_specs(proto))
-        wide = dataclasses.replace(self.resolved, auto_mixprecision=None, bias_correction=False)
-        if self.resolved.bias_correction:  # said, not silently dropped
-            warnings.warn("extra_options['BiasCorrection'] is not applied with an AutoMixprecision target (L2Target "
-                          "/ Top1AccTarget): the search measures each mix without it, and a correction afterwards "
-                          "would change the accuracy the target was checked on", stacklevel=3)
+        wide = dataclasses.replace(self.resolved, auto_mixprecision=None)  # BiasCorrection: in every build
         top1 = amp.top1_acc_target is not None
         plan, qm, result = auto_mixed_precision(
             proto, samples, wide=wide, narrow=(amp.act_target_quant_type, amp.weight_target_quant_type),

@@ -441,7 +441,16 @@ class _Builder:
     (all-wide, all-narrow) calibrate; a later build whose every observer has a calibrated twin takes a copy of
     the twin's statistics and derives its parameters from them (:func:`qtorch_onnx.quantizer.finalize_qparams`:
     ranges, shared and fixed ranges, overrides, INT32 bias scales of *this* placement) without a forward pass.
-    ``calibrations`` counts the builds that ran the calibration data."""
+    ``calibrations`` counts the builds that ran the calibration data.
+
+    With ``cfg.bias_correction`` every build is bias-corrected (:func:`~qtorch_onnx.algorithms.bias_correction`)
+    after its calibration. A layer's correction depends on its weight quantizer and, through the mean of its
+    quantized input, on its input quantizers' formats; the first build that meets a layer in a given
+    (weight format, input formats) state runs the correction pass and every later build takes that layer's
+    correction from it: two passes per search (all-wide, all-narrow) instead of one per probe. What a later mix
+    gets is its layers' corrections as measured in those two models (the inputs' upstream layers may differ);
+    the probes are measured as built, so the target holds for what is exported. ``bias_corrections`` counts
+    the passes."""
 
     def __init__(self, model, cfg, calib_samples, device, progress: bool, reuse_calibration: bool = True):
         from ..quantizer import lift_float
@@ -457,6 +466,31 @@ class _Builder:
         self.reuse_calibration = reuse_calibration
         self._promoted: Dict[Any, Any] = {}
         self._observers: Dict[Tuple[Any, ...], Any] = {}  # _observer_key -> a calibrated observer
+        self.bias_corrections = 0
+        self._bias_deltas: Dict[Tuple[Any, ...], torch.Tensor] = {}  # _bias_key -> the correction of the bias
+
+    @staticmethod
+    def _bias_key(layer) -> Tuple[Any, ...]:
+        fq = layer.weight_quantizer
+        return (layer.name, fq.fmt, fq.axis, tuple(q.fmt for q in layer.input_quantizers))
+
+    def _bias_correct(self, qm) -> None:
+        """Bias correction of a fresh build: cached corrections where every layer has one, else a pass."""
+        from .bias_correction import BIAS_CORRECTION_OP_TYPES, bias_correction
+
+        layers = [l for l in qm.layers(BIAS_CORRECTION_OP_TYPES) if l.bias is not None and l.weight is not None
+                  and l.weight_quantizer is not None and l.weight_quantizer.fake_quant_enabled]
+        keys = {l.name: self._bias_key(l) for l in layers}
+        if all(k in self._bias_deltas for k in keys.values()):
+            with torch.no_grad():
+                for l in layers:
+                    l.bias.add_(self._bias_deltas[keys[l.name]].to(l.bias.device))
+            return
+        before = {l.name: l.bias.detach().clone() for l in layers}
+        bias_correction(qm, self.calib, progress=False)
+        self.bias_corrections += 1
+        for l in layers:
+            self._bias_deltas.setdefault(keys[l.name], l.bias.detach() - before[l.name])
 
     def build(self, cfg):
         from ..placement import plan_quantization
@@ -475,6 +509,8 @@ class _Builder:
                 self.calibrations += 1
                 for fq, key in observed:
                     self._observers.setdefault(key, fq.observer)
+        if cfg.bias_correction:
+            self._bias_correct(qm)
         self.builds += 1
         return qm
 
@@ -875,7 +911,8 @@ class AutoMixedPrecisionResult:
     """What :func:`auto_mixed_precision` did: the plan, the sensitivity report, every evaluated point
     ``(number of narrow layers, metric, weight bytes)``, the all-wide / all-narrow values, the number of full
     model builds (each: place, calibrate, evaluate; ``calibrations`` of them ran the calibration data, the others
-    took the statistics of an earlier build, see :class:`_Builder`), the time (``stage_seconds``: prepare, sensitivity, search,
+    took the statistics of an earlier build, see :class:`_Builder`; ``bias_corrections``: the bias-correction
+    passes when the wide config asks for BiasCorrection), the time (``stage_seconds``: prepare, sensitivity, search,
     fill, verify: the part of the probes spent exporting and running ONNX Runtime, not counted in search), and
     ``verified``: ``[(number of narrow layers, metric in ONNX Runtime)]`` of the returned mix (empty without
     ``verify`` and in the budget form)."""
@@ -892,6 +929,7 @@ class AutoMixedPrecisionResult:
     fill_passes: int = 0
     stage_seconds: Dict[str, float] = field(default_factory=dict)
     calibrations: int = 0
+    bias_corrections: int = 0
 
     def save(self, folder: str) -> Dict[str, str]:
         """Write ``auto_mp.json`` (per layer: sensitivity per candidate, chosen format, bytes), the reusable
@@ -907,7 +945,7 @@ class AutoMixedPrecisionResult:
         doc = {"metric": self.sensitivity.metric, "target": self.plan.target, "value": self.plan.value,
                "wide_value": self.wide_value, "narrow_value": self.narrow_value, "narrow_layers": len(chosen),
                "layers_total": len(layers), "evaluated": self.evaluated, "builds": self.builds,
-               "calibrations": self.calibrations,
+               "calibrations": self.calibrations, "bias_corrections": self.bias_corrections,
                "sensitivity_forward_passes": self.sensitivity.forward_passes, "spearman": self.sensitivity.spearman,
                "seconds": self.seconds, "message": self.message, "verified_onnxruntime": self.verified,
                "fill_forward_passes": self.fill_passes, "stage_seconds": self.stage_seconds,
@@ -1246,7 +1284,8 @@ def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any =
     result = AutoMixedPrecisionResult(plan=plan, sensitivity=sens, evaluated=evaluated, wide_value=wide_v,
                                       narrow_value=narrow_v, builds=builder.builds, seconds=time.perf_counter() - t0,
                                       message=message, verified=verified, fill_passes=fill_passes,
-                                      stage_seconds=stage_seconds, calibrations=builder.calibrations)
+                                      stage_seconds=stage_seconds, calibrations=builder.calibrations,
+                                      bias_corrections=builder.bias_corrections)
     search_bar.close()
     qm.auto_mp_result = result
     if report_dir is not None:

@@ -1,6 +1,7 @@
 """Sensitivity analysis and automatic mixed precision (issue 13) on small models."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -12,7 +13,15 @@ from qtorch_onnx.algorithms.mixed_precision import resolve_metric, run_outputs
 from qtorch_onnx.data import to_samples
 from qtorch_onnx.runtime import check_parity
 
+from qtorch_onnx.quantizer import resolve
+
 from ..quant.small_models import calib_data, cnn, token_block, token_data
+
+
+#: the named A16W8 without its BiasCorrection: the search tests below check properties of the search (bisection
+#: against exhaustive search, probes in ONNX Runtime, fill, calibration reuse) on a landscape that does not move
+#: with the correction; test_bias_correction_in_every_build covers the search with it
+A16W8 = dataclasses.replace(resolve("A16W8"), bias_correction=False)
 
 
 def _wide(config="A16W8", model=None, data=None):
@@ -52,7 +61,7 @@ def test_sensitivity_per_layer_and_candidate():
 
 def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
     _, fn = resolve_metric("l2")
-    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow=("INT8", "INT4"), target=1e9,
                                          progress=False, search="exhaustive")
     wide_v, narrow_v = res_all.wide_value, res_all.narrow_value
     assert narrow_v > wide_v
@@ -60,7 +69,7 @@ def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
         target = wide_v + frac * (narrow_v - wide_v)
         plans = {}
         for search in ("bisect", "exhaustive"):
-            plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"),
+            plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow=("INT8", "INT4"),
                                                  target=target, progress=False, search=search,
                                                  report_dir=str(tmp_path / f"{search}{frac}"))
             assert res.plan.value <= target
@@ -82,7 +91,7 @@ def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
 
 def test_plan_is_reusable_and_exports_bit_exact(tmp_path):
     target = 0.0
-    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow="INT8", target=1.0,
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow="INT8", target=1.0,
                                          progress=False)
     assert len(plan.promoted_nodes) == 4
     _bit_exact(qm, calib_data(3, seed=4))
@@ -138,7 +147,7 @@ def test_seed_snippets_l2_and_top1(tmp_path):
 
 
 def test_transformer_matmuls():
-    plan, qm, res = auto_mixed_precision(token_block(), token_data(8), wide="A16W8", narrow="INT8", target=1e9,
+    plan, qm, res = auto_mixed_precision(token_block(), token_data(8), wide=A16W8, narrow="INT8", target=1e9,
                                          progress=False)
     assert set(plan.promoted_nodes) == {"attn_scores", "attn_context", "fc1", "fc2"}
     _bit_exact(qm, token_data(3, seed=2))
@@ -146,7 +155,7 @@ def test_transformer_matmuls():
 
 def test_bad_inputs_are_named():
     with pytest.warns(UserWarning, match="cannot be met even with every layer wide"):
-        plan, qm, res = auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.0,
+        plan, qm, res = auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.0,
                                              progress=False)
     assert plan.promoted_nodes == [] and all(f.fmt.name != "INT8" or f.role != "activation"
                                              for f in qm.quantizers().values())
@@ -155,31 +164,31 @@ def test_bad_inputs_are_named():
         raise RuntimeError("boom")
 
     with pytest.raises(qo.ConfigError, match="EvaluateFunction 'raises' raised RuntimeError: boom"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="top1",
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1, metric="top1",
                              evaluate_function=raises, progress=False)
     with pytest.raises(qo.ConfigError, match="must return a finite number.*'high'"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="top1",
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1, metric="top1",
                              evaluate_function=lambda o: "high", progress=False)
     with pytest.raises(qo.ConfigError, match="OutputIndex 3 is out of range"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, output_index=3,
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1, output_index=3,
                              progress=False)
     with pytest.raises(qo.ConfigError, match="wider than the wide"):
         auto_mixed_precision(cnn(), calib_data(4), wide="A8W8", narrow="INT16", target=0.1, progress=False)
     with pytest.raises(qo.ConfigError, match="TargetOpType"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1,
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1,
                              target_op_type=("LSTM",), progress=False)
     with pytest.raises(qo.ConfigError, match="unknown metric"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, metric="l3",
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1, metric="l3",
                              progress=False)
 
 
 def test_budget_form_and_pareto_front(tmp_path):
-    _, _, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+    _, _, res = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow=("INT8", "INT4"), target=1e9,
                                      progress=False)
     sizes = {l.name: l.weight_bytes for l in res.sensitivity.layers}
     full = sum(v["wide"] for v in sizes.values())
     budget = full - 0.5 * sizes["conv2"]["wide"]  # at least one layer must go to 4 bits
-    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"),
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow=("INT8", "INT4"),
                                          budget_bytes=budget, pareto_points=3, progress=False,
                                          report_dir=str(tmp_path))
     chosen = set(plan.promoted_nodes)
@@ -187,7 +196,7 @@ def test_budget_form_and_pareto_front(tmp_path):
     assert 0 < len(chosen) and got <= budget
     assert {k for k, _, _ in res.evaluated} >= {0, 2, 4}
     with pytest.raises(qo.ConfigError, match="exactly one of target"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", progress=False)
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", progress=False)
 
 
 def test_sensitivity_sweep_is_bit_identical_to_full_passes():
@@ -218,12 +227,12 @@ def test_sensitivity_sweep_is_bit_identical_to_full_passes():
 
 
 def test_extremes_need_no_sensitivity_pass():
-    _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow="INT8", target=1e9, progress=False)
+    _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow="INT8", target=1e9, progress=False)
     assert res.plan.promoted_nodes and len(res.plan.promoted_nodes) == 4
     assert res.sensitivity.forward_passes == 0 and np.isnan(res.sensitivity.baseline)
     assert res.verified and res.verified[-1][0] == 4 and res.verified[-1][1] <= 1e9
     with pytest.warns(UserWarning, match="cannot be met even with every layer wide"):
-        _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow="INT8", target=-1.0,
+        _, _, res = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow="INT8", target=-1.0,
                                          progress=False)
     assert res.plan.promoted_nodes == [] and res.sensitivity.forward_passes == 0 and res.builds == 1
 
@@ -236,10 +245,10 @@ def test_probes_are_measured_in_onnxruntime(monkeypatch):
 
     from qtorch_onnx.algorithms import mixed_precision as mp
 
-    _, _, res_all = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow=("INT8", "INT4"), target=1e9,
                                          progress=False)
     target = res_all.wide_value + 0.6 * (res_all.narrow_value - res_all.wide_value)
-    plan0, qm0, res0 = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+    plan0, qm0, res0 = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow=("INT8", "INT4"),
                                             target=target, progress=False)
     k0 = len(plan0.promoted_nodes)
     assert 2 <= k0 < 4 and res0.verified == [(k0, plan0.value)] and plan0.value <= target
@@ -262,14 +271,14 @@ def test_probes_are_measured_in_onnxruntime(monkeypatch):
     monkeypatch.setattr(mp, "_ort_outputs", disagreeing)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        plan, qm, res = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+        plan, qm, res = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow=("INT8", "INT4"),
                                              target=target, progress=False)
     assert not [w for w in seen if "AutoMixprecision" in str(w.message)]
     assert 0 < len(plan.promoted_nodes) < k0 and res.verified == [(len(plan.promoted_nodes), plan.value)]
     assert plan.value <= target and all(v > target for j, v, _ in res.evaluated if j >= k0)
     monkeypatch.setattr(mp, "_ort_outputs", real)
     # the emulation alone (verify=None) takes k0 layers: ONNX Runtime's disagreement is what changed the choice
-    plan_none, _, res_none = auto_mixed_precision(cnn(), calib_data(6), wide="A16W8", narrow=("INT8", "INT4"),
+    plan_none, _, res_none = auto_mixed_precision(cnn(), calib_data(6), wide=A16W8, narrow=("INT8", "INT4"),
                                                   target=target, progress=False, verify=None)
     assert res_none.verified == [] and len(plan_none.promoted_nodes) >= k0
     from qtorch_onnx import CalibrationMethod, Config, QuantizationConfig, QuantType
@@ -280,7 +289,7 @@ def test_probes_are_measured_in_onnxruntime(monkeypatch):
     with pytest.raises(qo.ConfigError, match=r"\['NoSuchExecutionProvider'\] are not available.*CPUExecutionProvider"):
         auto_mixed_precision(cnn(), calib_data(4), wide=bad_ep, narrow="INT8", target=0.1, progress=False)
     with pytest.raises(qo.ConfigError, match="verify"):
-        auto_mixed_precision(cnn(), calib_data(4), wide="A16W8", narrow="INT8", target=0.1, verify="tensorrt",
+        auto_mixed_precision(cnn(), calib_data(4), wide=A16W8, narrow="INT8", target=0.1, verify="tensorrt",
                              progress=False)
 
 
@@ -303,10 +312,10 @@ def test_fill_adds_the_layers_after_a_misranked_one(monkeypatch):
         return rep
 
     monkeypatch.setattr(mp, "sensitivity", reversed_ranking)
-    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide="A16W8", narrow=("INT8", "INT4"), target=1e9,
+    _, _, res_all = auto_mixed_precision(cnn(), calib_data(8), wide=A16W8, narrow=("INT8", "INT4"), target=1e9,
                                          progress=False, verify=None)
     target = res_all.wide_value + 0.7 * (res_all.narrow_value - res_all.wide_value)
-    kw = dict(wide="A16W8", narrow=("INT8", "INT4"), target=target, progress=False, verify=None)
+    kw = dict(wide=A16W8, narrow=("INT8", "INT4"), target=target, progress=False, verify=None)
     p0, _, r0 = auto_mixed_precision(cnn(), calib_data(8), fill=False, **kw)
     p1, qm1, r1 = auto_mixed_precision(cnn(), calib_data(8), **kw)
     assert len(p1.promoted_nodes) > len(p0.promoted_nodes) and r1.fill_passes > 0, (r0.message, r1.message)
@@ -350,7 +359,7 @@ def test_mixes_reuse_calibration_bit_for_bit(model, data, wide, narrow, dual):
 
     m = cnn() if model == "cnn" else token_block()
     samples = to_samples(calib_data(8) if data == "calib" else token_data(8), input_specs(load_model(m)))
-    cfg = resolve(wide)
+    cfg = dataclasses.replace(resolve(wide), bias_correction=False)
     a, w = (narrow, narrow) if isinstance(narrow, str) else narrow
     a, w = get_format(a), get_format(w)
     reuse = mp._Builder(m, cfg, samples, None, False)
@@ -372,3 +381,28 @@ def test_mixes_reuse_calibration_bit_for_bit(model, data, wide, narrow, dual):
     assert reuse.calibrations == first and fresh.calibrations == (checked if first else 0)
     # not vacuous: a mix differs from the all-wide model
     assert _qparams_bits(reuse.promoted(names[:1], a, w, mp.DEFAULT_TARGET_OPS, dual)) != _qparams_bits(wide_qm)
+
+
+def test_bias_correction_in_every_build(tmp_path):
+    """A wide config with BiasCorrection (the named A16W8): every probe is a corrected model, two correction passes
+    per search (all-wide, all-narrow), the other mixes take each layer's correction from them; export bit-exact."""
+    from qtorch_onnx.quantizer import resolve
+
+    cfg = resolve("A16W8")
+    assert cfg.bias_correction
+    _, _, ext = auto_mixed_precision(cnn(), calib_data(8), wide=cfg, narrow="INT8", target=1e9, progress=False,
+                                     search="exhaustive")
+    target = ext.wide_value + 0.5 * (ext.narrow_value - ext.wide_value)
+    plan, qm, res = auto_mixed_precision(cnn(), calib_data(8), wide=cfg, narrow="INT8", target=target,
+                                         progress=False, report_dir=str(tmp_path))
+    assert res.bias_corrections == 2 and res.builds > 2
+    assert res.plan.value <= target
+    assert 0 < len(plan.promoted_nodes) < 4
+    # the returned model's biases are corrected: each conv bias moved from the float model's
+    float_qm = qo.prepare(cnn(), "A16W8")
+    assert not np.array_equal(qm.parameter("b2").detach().numpy(), float_qm.parameter("b2").detach().numpy())
+    # and the same search without the correction gives different numbers (it is applied, not ignored)
+    _, _, plain = auto_mixed_precision(cnn(), calib_data(8), wide=dataclasses.replace(cfg, bias_correction=False),
+                                       narrow="INT8", target=1e9, progress=False, search="exhaustive")
+    assert plain.bias_corrections == 0 and plain.wide_value != ext.wide_value
+    _bit_exact(qm, calib_data(3, seed=4))
