@@ -207,15 +207,18 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         qm.bias_correction_report = report
         return qm
     device = qm.device
-    qf = copy.deepcopy(qm)  # the float reference: fake quantization off
-    for m in qf.modules():
-        if hasattr(m, "fake_quant_enabled"):
-            m.fake_quant_enabled = False
+    qf = None
+    if reference == "float":  # the float reference: a copy with fake quantization off, run alongside
+        qf = copy.deepcopy(qm)
+        for m in qf.modules():
+            if hasattr(m, "fake_quant_enabled"):
+                m.fake_quant_enabled = False
+        qf.eval()
     was_training = qm.training
     qm.eval()
-    qf.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
-    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, mem_opt_level, what="bias correction")
+    ex = StagedExecutor(qm.gm, qf.gm if qf is not None else None, chunks, device, mem_opt_level,
+                        what="bias correction")
     from .fast_finetune import _fx_node
 
     nodes = {l.name: _fx_node(qm, l) for l in layers}
@@ -233,7 +236,8 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
             rec = BiasCorrectionRecord(layer.name, layer.op_type, channels)
             report.layers.append(rec)
             ex.advance_to(node)
-            ex.step(node, quantized=False, float_too=True)  # the float model's output of the layer
+            if qf is not None:
+                ex.step(node, quantized=False, float_too=True)  # the float model's output of the layer
             if layer.bias is None or axis is None or layer.bias.dim() != 1:
                 rec.note = ("no bias (a MatMul's bias is a separate Add; optimize_model fuses MatMul + Add "
                             "into a biased layer): left as it is" if layer.bias is None
@@ -255,8 +259,11 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
                 ex.finish_layer(node)
                 continue
             with torch.no_grad():
+                applied = layer.module.bias.detach().double().clone()  # the bias the layer adds (quantized)
                 layer.bias.sub_(shift.to(layer.bias.dtype).to(layer.bias.device))
-            after = _channel_means(ex, node, fn, axis) - ref
+                # the output is linear in the bias: what is left is the shift plus the change of the bias the
+                # layer adds (the quantized bias moves by whole steps of its INT32 scale)
+                after = shift + (layer.module.bias.detach().double() - applied).reshape(-1)
             rec.max_shift_after = float(after.abs().max())
             rec.mean_shift_after = float(after.abs().mean())
             rec.corrected = True

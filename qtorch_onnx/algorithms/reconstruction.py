@@ -79,7 +79,7 @@ class StagedExecutor:
 
     Args:
         q_gm / f_gm: the quantized module's graph (changed by the algorithm) and the float reference (same
-            graph structure, same node names).
+            graph structure, same node names); ``f_gm=None`` runs the quantized graph alone (no float targets).
         chunks: input batches, each a tuple of tensors in placeholder order (already on ``device``).
         device: compute device. mem_opt_level: 0 keep cached values on ``device`` (moved to the host past
             ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder).
@@ -90,13 +90,13 @@ class StagedExecutor:
         DataError: the samples do not stack along dim 0 for a target layer (inputs of varying shapes).
     """
 
-    def __init__(self, q_gm: fx.GraphModule, f_gm: fx.GraphModule, chunks: Sequence[Tuple[torch.Tensor, ...]],
+    def __init__(self, q_gm: fx.GraphModule, f_gm: Optional[fx.GraphModule], chunks: Sequence[Tuple[torch.Tensor, ...]],
                  device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30,
                  what: str = "fast finetune") -> None:
         self.q_gm, self.f_gm = q_gm, f_gm
         self.what = what
         self.q_nodes = list(q_gm.graph.nodes)
-        self.f_by_name = {n.name: n for n in f_gm.graph.nodes}
+        self.f_by_name = {n.name: n for n in f_gm.graph.nodes} if f_gm is not None else {}
         self.chunks = list(chunks)
         self.device = device
         self._tmp = tempfile.TemporaryDirectory(prefix="qtorch_ft_") if mem_opt_level >= 2 else None
@@ -117,7 +117,7 @@ class StagedExecutor:
                 self.last_use[a.name] = max(self.last_use.get(a.name, -1), order[n.name])
         self.pos = 0
         self._q_interp = fx.Interpreter(q_gm)
-        self._f_interp = fx.Interpreter(f_gm)
+        self._f_interp = fx.Interpreter(f_gm) if f_gm is not None else None
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -156,7 +156,7 @@ class StagedExecutor:
             if quantized:
                 self._store(self.q_env, node.name, [self._run(self._q_interp, self.q_env, node, c)
                                                     for c in range(n_chunks)])
-            if float_too:
+            if float_too and self.f_gm is not None:
                 fnode = self.f_by_name[node.name]
                 self._store(self.f_env, node.name, [self._run(self._f_interp, self.f_env, fnode, c)
                                                     for c in range(n_chunks)])
@@ -206,9 +206,10 @@ class StagedExecutor:
 
     def chunk_data(self, node: fx.Node, chunk: int) -> Tuple[Dict[fx.Node, torch.Tensor], torch.Tensor]:
         """``(activation inputs, float output)`` of ``node`` for one chunk of samples, unstacked (chunks may
-        differ in shape). The float output must have been computed: ``step(node, quantized=False)``."""
+        differ in shape). The float output is None unless it was computed (``step(node, quantized=False)``)."""
         inputs = {a: self.spill.get(self.q_env[a.name][chunk]) for a in node.all_input_nodes if not self.const[a.name]}
-        return inputs, self.spill.get(self.f_env[node.name][chunk])
+        target = self.f_env.get(node.name)
+        return inputs, (self.spill.get(target[chunk]) if target is not None else None)
 
     def layer_fn(self, node: fx.Node) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
         """``fn(inputs) -> output`` running ``node`` of the quantized graph on given activation inputs, its
