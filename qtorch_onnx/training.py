@@ -438,6 +438,8 @@ def save(qm: "QuantizedModel", path: Union[str, os.PathLike]) -> None:
         "onnx": qm.onnx_model.SerializeToString(), "digest": _graph_digest(qm.onnx_model),
         "specs": specs, "config": config, "quantizers": quantizers,
         "state_dict": {k: v.detach().cpu() for k, v in qm.state_dict().items()},
+        # what bias_correction subtracted per layer, so that correcting the loaded model again replaces it
+        "bias_corrections": {k: v.detach().cpu() for k, v in qm.__dict__.get("_bias_corrections_applied", {}).items()},
     }
     buf = io.BytesIO()
     torch.save(blob, buf)
@@ -505,6 +507,8 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
             setattr(fq, a, entry[a]) if not a.startswith("_") else fq.__dict__.__setitem__(a, entry[a])
     _wire_bias_sources(qm)
     qm.load_state_dict(blob["state_dict"], strict=True)
+    if blob.get("bias_corrections"):  # absent in files saved before bias correction existed
+        qm.__dict__["_bias_corrections_applied"] = dict(blob["bias_corrections"])
     if device is not None:
         qm.to(device)
     return qm

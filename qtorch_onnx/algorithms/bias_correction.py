@@ -25,7 +25,7 @@ like any trained bias (INT32 with ``scale_x * scale_w`` where the config has Int
 
 Running it again (say after fast finetune changed the weights) replaces the earlier correction instead of adding
 to it: the model keeps the corrections it applied (``qm._bias_corrections_applied``, layer name -> what was
-subtracted; not kept by :func:`qtorch_onnx.save`), the weight reference measures the weight error's shift whatever
+subtracted; kept by :func:`qtorch_onnx.save` / :func:`qtorch_onnx.load`), the weight reference measures the weight error's shift whatever
 the bias, and the float reference compares with the float model's own biases.
 
 A layer is corrected when it has a bias parameter whose length is its output channel count: Conv / ConvTranspose

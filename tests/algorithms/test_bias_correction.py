@@ -217,3 +217,15 @@ def test_with_fast_finetune_the_correction_is_not_applied_and_says_so(monkeypatc
         q.quantize_model(cnn(), str(tmp_path / "m.onnx"), calib_data(8), progress=False)
     assert calls == ["ft"]
     assert q.quantized_model.finetune_report.layers and not hasattr(q.quantized_model, "bias_correction_report")
+
+
+def test_saved_and_loaded_model_keeps_its_correction(tmp_path):
+    """qo.save keeps what the correction subtracted: correcting the loaded model again changes nothing."""
+    data = calib_data(16)
+    qm = _prepared("A8W8")
+    bias_correction(qm, data, progress=False)
+    qo.save(qm, str(tmp_path / "m.qtorch"))
+    loaded = qo.load(str(tmp_path / "m.qtorch"))
+    before = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+    bias_correction(loaded, data, progress=False)
+    assert all(torch.allclose(p, before[n], rtol=0, atol=1e-6) for n, p in loaded.named_parameters())
