@@ -36,6 +36,9 @@ class QuantizedModel(nn.Module):
         self.stage_times: Dict[str, float] = {}
         #: :class:`~qtorch_onnx.algorithms.cle.CLEReport` when the configuration asked for cross-layer equalization
         self.cle_report = None
+        #: what :func:`~qtorch_onnx.algorithms.bias_correction` subtracted from each layer's bias (layer name ->
+        #: float64 ``[channels]``), so that a later correction replaces it instead of adding to it
+        self.applied_bias_corrections: Dict[str, torch.Tensor] = {}
 
     def forward(self, *inputs: torch.Tensor):
         return self.gm(*inputs)

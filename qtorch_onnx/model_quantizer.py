@@ -84,12 +84,10 @@ class ModelQuantizer:
             qm.set_mode("quantize")
         correct = self.resolved.bias_correction and not _finetune_supersedes_correction(self.resolved)
         if correct and data is None:
-            raise DataError("bias correction (extra_options['BiasCorrection']=True) needs data: give "
-                            "calibration_data_reader or calibration_data_path")
+            raise _needs_data("bias correction (extra_options['BiasCorrection']=True)")
         if self.resolved.fast_finetune is not None:
             if data is None:
-                raise DataError("fast finetune (include_fast_ft / FastFinetune) needs data: give "
-                                "calibration_data_reader or calibration_data_path")
+                raise _needs_data("fast finetune (include_fast_ft / FastFinetune)")
             from .algorithms import fast_finetune
 
             fast_finetune(qm, data, self.resolved.fast_finetune, progress=progress)
@@ -112,8 +110,7 @@ class ModelQuantizer:
         amp = self.resolved.auto_mixprecision
         data = reader if reader is not None else path
         if data is None:
-            raise DataError("automatic mixed precision (AutoMixprecision with L2Target/Top1AccTarget) needs data: "
-                            "give calibration_data_reader or calibration_data_path")
+            raise _needs_data("automatic mixed precision (AutoMixprecision with L2Target/Top1AccTarget)")
         proto = load_model(model_input)
         samples = _data.to_samples(data, _data.input_specs(proto))
         # BiasCorrection: in every build of the search, unless fast finetune follows (it supersedes the correction)
@@ -133,6 +130,11 @@ class ModelQuantizer:
         self.mixed_precision_plan = plan
         out = export(qm, model_output)
         return None if model_output is not None else out
+
+
+def _needs_data(what: str) -> DataError:
+    """The error for a step of the pipeline that needs data when none was given, naming the step."""
+    return DataError(f"{what} needs data: give calibration_data_reader or calibration_data_path")
 
 
 def _finetune_supersedes_correction(resolved) -> bool:

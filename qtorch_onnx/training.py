@@ -439,7 +439,7 @@ def save(qm: "QuantizedModel", path: Union[str, os.PathLike]) -> None:
         "specs": specs, "config": config, "quantizers": quantizers,
         "state_dict": {k: v.detach().cpu() for k, v in qm.state_dict().items()},
         # what bias_correction subtracted per layer, so that correcting the loaded model again replaces it
-        "bias_corrections": {k: v.detach().cpu() for k, v in qm.__dict__.get("_bias_corrections_applied", {}).items()},
+        "bias_corrections": {k: v.detach().cpu() for k, v in qm.applied_bias_corrections.items()},
     }
     buf = io.BytesIO()
     torch.save(blob, buf)
@@ -508,7 +508,7 @@ def load(path: Union[str, os.PathLike], model: Union[str, os.PathLike, onnx.Mode
     _wire_bias_sources(qm)
     qm.load_state_dict(blob["state_dict"], strict=True)
     if blob.get("bias_corrections"):  # absent in files saved before bias correction existed
-        qm.__dict__["_bias_corrections_applied"] = dict(blob["bias_corrections"])
+        qm.applied_bias_corrections.update(blob["bias_corrections"])
     if device is not None:
         qm.to(device)
     return qm

@@ -24,7 +24,7 @@ The quantizers keep their calibrated scales: the corrected bias is the float bia
 like any trained bias (INT32 with ``scale_x * scale_w`` where the config has Int32Bias).
 
 Running it again (say after fast finetune changed the weights) replaces the earlier correction instead of adding
-to it: the model keeps the corrections it applied (``qm._bias_corrections_applied``, layer name -> what was
+to it: the model keeps the corrections it applied (``qm.applied_bias_corrections``, layer name -> what was
 subtracted; kept by :func:`qtorch_onnx.save` / :func:`qtorch_onnx.load`), the weight reference measures the weight error's shift whatever
 the bias, and the float reference compares with the float model's own biases.
 
@@ -34,11 +34,8 @@ reported and left as it is (adding a bias would change the exported graph's stru
 """
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -48,9 +45,11 @@ from torch import nn
 
 from .. import data as _data
 from ..errors import ConfigError
-from .reconstruction import StagedExecutor
+from .reconstruction import StagedExecutor, float_twin, in_graph_order, sample_count
+from .reporting import save_before_after
 
-__all__ = ["bias_correction", "BiasCorrectionReport", "BiasCorrectionRecord", "BIAS_CORRECTION_OP_TYPES"]
+__all__ = ["bias_correction", "BiasCorrectionReport", "BiasCorrectionRecord", "BIAS_CORRECTION_OP_TYPES",
+           "correctable_layers"]
 
 #: the ONNX op types corrected by default
 BIAS_CORRECTION_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -89,37 +88,20 @@ class BiasCorrectionReport:
                 "note": self.note, "layers": [asdict(r) for r in self.layers]}
 
     def save(self, folder: str) -> Dict[str, str]:
-        """Write ``bias_correction.json`` and the plot ``bias_correction.png`` (mean |shift| per layer, before and
-        after) into ``folder``, each atomically."""
-        os.makedirs(folder, exist_ok=True)
-        paths = {"json": os.path.join(folder, "bias_correction.json"),
-                 "png": os.path.join(folder, "bias_correction.png")}
-        tmp = paths["json"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-        os.replace(tmp, paths["json"])
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        """Write ``bias_correction.json`` and the plot ``bias_correction.png`` (mean |shift| per corrected layer,
+        before and after) into ``folder``, each atomically."""
         rows = [r for r in self.layers if r.corrected]
-        xs = list(range(len(rows)))
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(rows) + 2), 4.0))
-        ax.bar([x - 0.2 for x in xs], [max(r.mean_shift_before, 1e-30) for r in rows], 0.4, label="before")
-        ax.bar([x + 0.2 for x in xs], [max(r.mean_shift_after, 1e-30) for r in rows], 0.4, label="after")
-        ax.set_yscale("log")
-        ax.set_xticks(xs)
-        ax.set_xticklabels([r.name for r in rows], rotation=90, fontsize=6)
-        ax.set_ylabel("mean |output shift| per channel")
-        ax.set_title(f"bias correction (reference: {self.reference}, {self.samples} samples)")
-        ax.legend()
-        fig.tight_layout()
-        tmp = paths["png"] + ".tmp.png"
-        fig.savefig(tmp, dpi=110)
-        plt.close(fig)
-        os.replace(tmp, paths["png"])
-        return paths
+        return save_before_after(folder, "bias_correction", self.to_json(), [r.name for r in rows],
+                                 [r.mean_shift_before for r in rows], [r.mean_shift_after for r in rows],
+                                 "mean |output shift| per channel",
+                                 f"bias correction (reference: {self.reference}, {self.samples} samples)")
+
+
+def correctable_layers(qm, op_types: Sequence[str] = BIAS_CORRECTION_OP_TYPES) -> List[Any]:
+    """The layers of ``qm`` of ``op_types`` whose weight is fake-quantized (:meth:`QuantizedModel.layers`
+    entries): the ones a correction looks at (those without a bias are reported and left alone)."""
+    return [l for l in qm.layers(op_types) if l.weight is not None and l.weight_quantizer is not None
+            and l.module is not None and l.weight_quantizer.fake_quant_enabled]
 
 
 def _channel_axis(module: Optional[nn.Module]) -> Optional[int]:
@@ -195,11 +177,9 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         raise ConfigError(f"bias_correction mem_opt_level must be 0, 1 or 2, got {mem_opt_level!r}")
     t0 = time.perf_counter()
     ops = tuple(op_types) if op_types is not None else BIAS_CORRECTION_OP_TYPES
-    layers = [l for l in qm.layers(ops) if l.weight is not None and l.weight_quantizer is not None
-              and l.module is not None and l.weight_quantizer.fake_quant_enabled]
+    layers = correctable_layers(qm, ops)
     samples = _data.to_samples(data, qm.input_specs, what="bias correction data")
-    n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
-    report = BiasCorrectionReport(reference=reference, samples=n_samples)
+    report = BiasCorrectionReport(reference=reference, samples=sample_count(samples, qm.input_specs))
     if not layers:
         have = sorted({l.op_type for l in qm.layers() if l.weight is not None})
         if op_types is not None:  # asked for by name: say it does not match
@@ -212,29 +192,20 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         qm.bias_correction_report = report
         return qm
     device = qm.device
-    # the corrections in place from earlier runs (layer name -> total subtracted from the bias)
-    applied: Dict[str, torch.Tensor] = qm.__dict__.setdefault("_bias_corrections_applied", {})
+    applied = qm.applied_bias_corrections  # the corrections in place from earlier runs
     qf = None
-    if reference == "float":  # the float reference: a copy with fake quantization off, run alongside
-        qf = copy.deepcopy(qm)
-        for m in qf.modules():
-            if hasattr(m, "fake_quant_enabled"):
-                m.fake_quant_enabled = False
+    if reference == "float":  # the float reference, run alongside
+        qf = float_twin(qm)
         with torch.no_grad():  # without the corrections of earlier runs: the float model's own biases
             for fl in qf.layers(ops):
                 if fl.name in applied and fl.bias is not None:
                     fl.bias.add_(applied[fl.name].to(fl.bias.dtype).to(fl.bias.device))
-        qf.eval()
     was_training = qm.training
     qm.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
     ex = StagedExecutor(qm.gm, qf.gm if qf is not None else None, chunks, device, mem_opt_level,
                         what="bias correction")
-    from .fast_finetune import _fx_node
-
-    nodes = {l.name: _fx_node(qm, l) for l in layers}
-    order = {n.name: i for i, n in enumerate(qm.gm.graph.nodes)}
-    layers.sort(key=lambda l: order[nodes[l.name].name])
+    nodes, layers = in_graph_order(qm, layers)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 

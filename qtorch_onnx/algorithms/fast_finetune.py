@@ -27,10 +27,7 @@ turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
-import copy
-import json
 import math
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -42,7 +39,8 @@ from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
 from .adaround import AdaRoundRounding, beta_schedule
-from .reconstruction import QuadraticLayerLoss, StagedExecutor
+from .reconstruction import QuadraticLayerLoss, StagedExecutor, float_twin, in_graph_order, sample_count
+from .reporting import save_before_after
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
 
@@ -84,31 +82,12 @@ class FinetuneReport:
         return d
 
     def save(self, folder: str) -> Dict[str, str]:
-        """Write ``fast_finetune.json`` and the plot ``fast_finetune.png`` (loss before/after per layer)."""
-        os.makedirs(folder, exist_ok=True)
-        paths = {"json": os.path.join(folder, "fast_finetune.json"), "png": os.path.join(folder, "fast_finetune.png")}
-        with open(paths["json"], "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        n = len(self.layers)
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * n + 2), 4.0))
-        xs = list(range(n))
-        ax.bar([x - 0.2 for x in xs], [max(r.loss_before, 1e-30) for r in self.layers], 0.4, label="before")
-        ax.bar([x + 0.2 for x in xs], [max(r.loss_after, 1e-30) for r in self.layers], 0.4, label="after")
-        ax.set_yscale("log")
-        ax.set_xticks(xs)
-        ax.set_xticklabels([r.name for r in self.layers], rotation=90, fontsize=6)
-        ax.set_ylabel("reconstruction loss")
-        ax.set_title(f"{self.algorithm}: per-layer reconstruction loss ({self.device})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(paths["png"], dpi=110)
-        plt.close(fig)
-        return paths
+        """Write ``fast_finetune.json`` and the plot ``fast_finetune.png`` (loss before/after per layer), each
+        atomically."""
+        return save_before_after(folder, "fast_finetune", self.to_json(), [r.name for r in self.layers],
+                                 [r.loss_before for r in self.layers], [r.loss_after for r in self.layers],
+                                 "reconstruction loss",
+                                 f"{self.algorithm}: per-layer reconstruction loss ({self.device})")
 
 
 def _settings(qm, settings, algorithm, overrides) -> FastFinetuneSettings:
@@ -212,14 +191,6 @@ def _targets(qm, s: FastFinetuneSettings):
     return out
 
 
-def _fx_node(qm, layer):
-    info = qm.tensor_map.graph.nodes[layer.name]
-    for n in qm.gm.graph.nodes:
-        if n.name == info.fx_node:
-            return n
-    raise ConfigError(f"fast finetune: layer {layer.name!r} has no fx node (lifting bug)")
-
-
 #: ONNX ops through which a layer that feeds one directly (alone) is reconstructed: the loss compares the
 #: activation's outputs, as Quark 0.13's fast finetune does (its onnx_subgraph ACT_OPS; PRelu left out here:
 #: its slope is a weight of its own)
@@ -291,7 +262,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
         if len(samples) < s.data_size:
             raise DataError(f"FastFinetune DataSize asks for {s.data_size} samples but the data holds {len(samples)}")
         samples = samples[:s.data_size]
-    n_samples = sum(int(x[0].shape[0]) if all(sp.batch_dynamic for sp in qm.input_specs) else 1 for x in samples)
+    n_samples = sample_count(samples, qm.input_specs)
     if n_samples < s.batch_size:
         raise DataError(f"FastFinetune BatchSize {s.batch_size} exceeds the {n_samples} samples of the data; "
                         "give more data or a smaller BatchSize")
@@ -308,25 +279,18 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
                                                                     for k, v in asdict(s).items()},
                             device=str(device), samples=n_samples)
-    # float reference: a frozen copy with fake quantization off
-    qf = copy.deepcopy(qm)
-    for m in qf.modules():
-        if hasattr(m, "fake_quant_enabled"):
-            m.fake_quant_enabled = False
+    qf = float_twin(qm)  # the float reference
     requires = {p: p.requires_grad for p in qm.parameters()}
     for p in requires:
         p.requires_grad_(False)
     was_training = qm.training
     qm.eval()
-    qf.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
     ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 
-    nodes = {layer.name: _fx_node(qm, layer) for layer in targets}
-    order = {n.name: i for i, n in enumerate(qm.gm.graph.nodes)}
-    targets.sort(key=lambda l: order[nodes[l.name].name])
+    nodes, targets = in_graph_order(qm, targets)
     bar = tqdm(targets, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
     try:
         for index, layer in enumerate(bar):

@@ -476,13 +476,12 @@ class _Builder:
 
     def _bias_correct(self, qm) -> None:
         """Bias correction of a fresh build: cached corrections where every layer has one, else a pass."""
-        from .bias_correction import BIAS_CORRECTION_OP_TYPES, bias_correction
+        from .bias_correction import bias_correction, correctable_layers
 
-        layers = [l for l in qm.layers(BIAS_CORRECTION_OP_TYPES) if l.bias is not None and l.weight is not None
-                  and l.weight_quantizer is not None and l.weight_quantizer.fake_quant_enabled]
+        layers = [l for l in correctable_layers(qm) if l.bias is not None]
         keys = {l.name: self._bias_key(l) for l in layers}
         if all(k in self._bias_deltas for k in keys.values()):
-            applied = qm.__dict__.setdefault("_bias_corrections_applied", {})  # as bias_correction records it
+            applied = qm.applied_bias_corrections  # as bias_correction records it
             with torch.no_grad():
                 for l in layers:
                     delta = self._bias_deltas[keys[l.name]].to(l.bias.device)

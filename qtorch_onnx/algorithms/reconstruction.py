@@ -10,6 +10,7 @@ values move to host memory or to disk (``mem_opt_level``).
 """
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -18,9 +19,44 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 
-__all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss"]
+__all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "float_twin", "sample_count", "in_graph_order"]
+
+
+def float_twin(qm):
+    """A copy of the prepared model ``qm`` with every quantizer's fake quantization off, in eval mode: the float
+    reference the layer-wise algorithms run beside it (same graph, same node names)."""
+    qf = copy.deepcopy(qm)
+    for m in qf.modules():
+        if hasattr(m, "fake_quant_enabled"):
+            m.fake_quant_enabled = False
+    return qf.eval()
+
+
+def sample_count(samples, input_specs) -> int:
+    """Samples in ``samples`` (:func:`qtorch_onnx.data.to_samples` tuples): their batch sizes when every input has
+    a dynamic batch dimension, else one per entry."""
+    if all(sp.batch_dynamic for sp in input_specs):
+        return sum(int(x[0].shape[0]) for x in samples)
+    return len(samples)
+
+
+def in_graph_order(qm, layers):
+    """``(fx node per layer name, layers sorted in graph order)`` for :meth:`QuantizedModel.layers` entries.
+
+    Raises:
+        ConfigError: a layer without an fx node (a lifting bug).
+    """
+    fx_of = {n.name: n for n in qm.gm.graph.nodes}
+    nodes = {}
+    for layer in layers:
+        info = qm.tensor_map.graph.nodes[layer.name]
+        if info.fx_node not in fx_of:
+            raise ConfigError(f"layer {layer.name!r} has no fx node (lifting bug)")
+        nodes[layer.name] = fx_of[info.fx_node]
+    order = {n.name: i for i, n in enumerate(qm.gm.graph.nodes)}
+    return nodes, sorted(layers, key=lambda l: order[nodes[l.name].name])
 
 
 class _Spill:
