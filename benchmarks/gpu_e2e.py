@@ -4,6 +4,10 @@ CPU emulation, quantizer by quantizer.
 
     python benchmarks/gpu_e2e.py --device cuda --out OUT        # what benchmarks/gpu_check.sh runs
     python benchmarks/gpu_e2e.py --device cpu --samples 4 --steps 2  # a CPU smoke run
+    python benchmarks/gpu_e2e.py --model efficientnet-lite0 --configs A8W8 --ft-iterations 50 --ft-cpu-baseline
+
+With ``--ft-cpu-baseline`` the fast finetune also runs on a CPU copy of the model (same data, iterations and
+seed), and ``fast_finetune_loop_speedup_vs_cpu`` is the ratio of the two iteration loops' wall times.
 
 Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity) and
 prints one line per check; exits 1 if any check failed.
@@ -27,7 +31,17 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
+def _finetune_figures(report) -> dict:
+    """Wall times of a fast finetune: the whole run, the iteration loops alone, per layer-iteration (ms)."""
+    loop = sum(r.loop_seconds for r in report.layers)
+    its = sum(r.iterations for r in report.layers)
+    return {"layers": len(report.layers), "iterations": its, "stage_s": dict(report.stage_times),
+            "loop_s": loop, "ms_per_layer_iteration": 1e3 * loop / max(its, 1),
+            "loss_after_sum": sum(r.loss_after for r in report.layers)}
+
+
+def run_config(model_path, config: str, calib, device: str, steps: int, ft_iterations: int = 20,
+               ft_cpu_baseline: bool = False) -> dict:
     import numpy as np
     import torch
 
@@ -61,7 +75,7 @@ def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     rec["qat_step_s"] = (time.perf_counter() - t) / max(1, steps)
@@ -92,11 +106,20 @@ def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
     rec["sensitivity_full_passes_s"] = time.perf_counter() - t
     rec["sensitivity_sweep_fraction"] = frac
     rec["checks"]["sensitivity_sweep_equals_full_passes"] = bool(same)
-    # fast finetune, a few iterations
-    t = time.perf_counter()
+    # fast finetune on the device; on CUDA the same finetune on a CPU copy too (all its cores), for the ratio
     algo = "adaround" if config in ("A8W8", "A16W8") else "adaquant"
-    qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=20, progress=False)
+    cpu_twin = copy.deepcopy(qm).to("cpu") if device.startswith("cuda") and ft_cpu_baseline else None
+    t = time.perf_counter()
+    qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
     rec["fast_finetune_s"] = time.perf_counter() - t
+    rec["fast_finetune"] = _finetune_figures(qm.finetune_report)
+    if cpu_twin is not None:
+        qo.fast_finetune(cpu_twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
+        rec["fast_finetune_cpu"] = _finetune_figures(cpu_twin.finetune_report)
+        rec["fast_finetune_cpu"]["torch_threads"] = torch.get_num_threads()
+        rec["fast_finetune_loop_speedup_vs_cpu"] = (rec["fast_finetune_cpu"]["loop_s"]
+                                                    / max(rec["fast_finetune"]["loop_s"], 1e-9))
+        del cpu_twin
     # export and ONNX Runtime (CPU) against the emulation on the device, node by node
     t = time.perf_counter()
     exported, qmap = qo.export(qm, None, return_map=True)
@@ -110,9 +133,13 @@ def run_config(model_path, config: str, calib, device: str, steps: int) -> dict:
         cpu = copy.deepcopy(qm).to("cpu")
         got: dict = {}
         hooks = []
+        def record(name):
+            def hook(module, args, out):  # returns None: a forward hook's return value replaces the output
+                got.setdefault(name, (args[0].detach().cpu(), out.detach().cpu()))
+            return hook
+
         for name, fq in qm.quantizers().items():
-            hooks.append(fq.register_forward_hook(
-                lambda m, a, o, name=name: got.setdefault(name, (a[0].detach().cpu(), o.detach().cpu()))))
+            hooks.append(fq.register_forward_hook(record(name)))
         with torch.no_grad():
             qm(x[:1])
         for h in hooks:
@@ -139,6 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="out/gpu_e2e")
+    ap.add_argument("--ft-iterations", type=int, default=20, help="fast finetune iterations per layer")
+    ap.add_argument("--ft-cpu-baseline", action="store_true",
+                    help="on CUDA, also time the same fast finetune on CPU (the GPU figure's baseline)")
     args = ap.parse_args(argv)
     import torch
 
@@ -163,11 +193,12 @@ def main(argv=None) -> int:
         calib, _ = zoo.model_inputs(args.model, "calib", n=args.samples)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "device_name": _device_name(args.device), "torch": torch.__version__,
-              "model": args.model, "results": []}
+              "cpu_count": os.cpu_count(), "model": args.model, "results": []}
     ok = True
     for config in args.configs:
         try:
-            rec = run_config(model_path, config, calib, args.device, args.steps)
+            rec = run_config(model_path, config, calib, args.device, args.steps, args.ft_iterations,
+                                 args.ft_cpu_baseline)
         except Exception as exc:  # report and go on with the next config
             rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["results"].append(rec)

@@ -33,3 +33,7 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
     assert all(r["checks"]["ort_nodes_bit_exact"] for r in rep["results"])
     assert all(r["checks"]["sensitivity_sweep_equals_full_passes"] for r in rep["results"])
     assert all(0 < r["sensitivity_sweep_fraction"] < 1 for r in rep["results"])
+    for r in rep["results"]:  # the fast finetune figures: every layer ran its 20 iterations
+        ft = r["fast_finetune"]
+        assert ft["layers"] > 0 and ft["iterations"] == 20 * ft["layers"], ft
+        assert ft["loop_s"] > 0 and ft["ms_per_layer_iteration"] > 0, ft

@@ -40,6 +40,13 @@ def exp2i(k):
 
 
 @triton.jit
+def negate(x):
+    """-x for float32 ``x`` by flipping the sign bit, so -(+0.0) is -0.0. Not ``-x``: triton before 3.8 lowers
+    unary minus as ``0 - x``, which gives +0.0 for +0.0 and lost the sign of quantized negative zeros."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -81,7 +88,7 @@ def apply_sign(mag, v, MODE: tl.constexpr):
     """Signed rounded value with the zero-sign rule of ``round_with_mode`` (modes 0/1: sign of ``v``;
     mode 2: +0.0 when a nonzero ``v`` rounds to zero, ``v = -0.0`` stays -0.0)."""
     neg = v.to(tl.int32, bitcast=True) < 0
-    r = tl.where(neg, -mag, mag)
+    r = tl.where(neg, negate(mag), mag)
     if MODE == 2:
         r = tl.where((mag == 0) & (v != 0), 0.0, r)
     return r
@@ -102,7 +109,14 @@ def _load_tile(x_ptr, rows, n_rows, n_axis, inner, a, jmask, BF16: tl.constexpr)
     row_off = o.to(tl.int64) * n_axis * inner + i
     offs = row_off[:, None] + a.to(tl.int64)[None, :] * inner
     valid = (rows < n_rows)[:, None] & (jmask & (a < n_axis))[None, :]
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)  # float16/bfloat16 widen exactly
+    xin = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    x = xin.to(tl.float32)  # float16/bfloat16 widen exactly
+    if x_ptr.dtype.element_ty == tl.float16:
+        # a NaN keeps its payload, quieted (formats.block.half_to_float32); a GPU cast writes 0x7FFFFFFF
+        h = xin.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        m = h & 0x3FF
+        nan_bits = ((h & 0x8000) << 16) | 0x7FC00000 | (m << 13)
+        x = tl.where(((h & 0x7C00) == 0x7C00) & (m != 0), nan_bits.to(tl.float32, bitcast=True), x)
     if BF16:
         x = _bf16_bits(x)
     return x, offs, valid
@@ -157,10 +171,10 @@ def _bfp_kernel(x_ptr, y_ptr, keep_ptr, n_rows, n_axis, inner, n_blk,
         k = shared - 127 - shift + 1 - M
         k_hi = tl.maximum(k, -126)
         mag = (q.to(tl.float32) * exp2i(k_hi)) * exp2i(k - k_hi)
-        y = tl.where(bits < 0, -mag, mag)
+        y = tl.where(bits < 0, negate(mag), mag)
         nan = tl.full(e.shape, 0x7FFFFFFF, tl.int32).to(tl.float32, bitcast=True)
         y = tl.where(shared == 255, nan, y)
-        keep = ~saturated
+        keep = ~saturated | (e == 255)  # NaN/Inf pass gradient 1, whatever their payload
     else:
         special = e == 255
         shared = row_max(tl.where(special, 0, e))

@@ -125,7 +125,9 @@ def _bfp_prime_blocks(xb: torch.Tensor, m: int, mode: int, sub_block_size: int,
     y = torch.copysign(mag, xb)
     nan_bits = torch.full_like(bits, 0x7FFFFFFF).view(torch.float32)
     y = torch.where(shared == 255, nan_bits, y)
-    return y, ~saturated
+    # NaN/Inf inputs pass gradient 1 (docs/numerics.md section 8): their mantissa bits are a payload, and a
+    # payload is not a saturation (a GPU widening float16 NaN to float32 sets every mantissa bit)
+    return y, ~saturated | (e == 255)
 
 
 def bfp_reference(x: torch.Tensor, *, bfp_method: str = "to_bfp", axis: int = 1, bit_width: int = 16,

@@ -148,9 +148,26 @@ def to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor
     return blocks, restore
 
 
+def half_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """float16 ``x`` widened to float32 exactly, a NaN quieted with its payload in the top mantissa bits:
+    ``sign | 0x7FC00000 | m << 13`` (the x86 F16C conversion, and the operator library's ``half_to_float``).
+
+    torch's own cast is not one function for NaNs: its CPU scalar path writes 0x7FFFFFFF, its vectorised path
+    the F16C bits, a CUDA cast 0x7FFFFFFF; and a NaN's bits are seen by ``convert_to_bfloat_before_bfp``
+    (0x7FFFFFFF rounds to -0.0 there, 0x7FC00000 stays NaN). Shape and device are ``x``'s.
+    """
+    y = x.to(torch.float32)
+    h = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    m = h & 0x3FF
+    nan = ((h & 0x7C00) == 0x7C00) & (m != 0)
+    bits = ((h & 0x8000) << 16) | 0x7FC00000 | (m << 13)
+    return torch.where(nan, bits.view(torch.float32), y)
+
+
 def as_float32(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype]:
     """Check the input dtype of a block operator and widen float16 / bfloat16 to float32 (docs/numerics.md
-    section 4: a float16 input is computed in float32 and the result rounded back to float16).
+    section 4: a float16 input is computed in float32 and the result rounded back to float16; float16 NaNs
+    widen as in :func:`half_to_float32`).
 
     bfloat16 is accepted for torch-side use (training in bf16) with the same rule; the ONNX operators
     themselves take float32 and float16 only. The payload of a NaN result in bfloat16 is unspecified (torch's
@@ -166,7 +183,9 @@ def as_float32(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype]:
         raise DataError(f"{op}: input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype == torch.float32:
         return x, x.dtype
-    if x.dtype in (torch.float16, torch.bfloat16):
+    if x.dtype == torch.float16:
+        return half_to_float32(x), x.dtype
+    if x.dtype == torch.bfloat16:
         return x.to(torch.float32), x.dtype
     raise DataError(f"{op}: input dtype {x.dtype} is not supported; valid: torch.float32, torch.float16, "
                     "torch.bfloat16")

@@ -250,6 +250,35 @@ def test_prime_nan_block_and_subnormal_flush():
     assert y[2:4].tolist() == [2.0, 3.0]
 
 
+@pytest.mark.parametrize("method", ["to_bfp", "to_bfp_prime"])
+def test_nan_and_inf_pass_gradient_whatever_their_payload(method):
+    # docs/numerics.md section 8: NaN/Inf inputs pass gradient 1. 0x7FFFFFFF is what a GPU makes of a float16
+    # NaN widened to float32; its mantissa bits would round up to a saturation if they were a value
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000], dtype=np.uint32)
+    for b in nans:
+        x = torch.from_numpy(np.array([b, 0x3F800000], dtype=np.uint32).view(np.float32))
+        for mode in (0, 1, 2):
+            _, mask = bfp_reference(x, bfp_method=method, bit_width=13, block_size=2, rounding_mode=mode,
+                                    return_mask=True)
+            assert mask.tolist() == [True, True], (hex(int(b)), mode)
+
+
+def test_float16_nan_widening_does_not_depend_on_the_tensor():
+    # torch's cast writes 0x7FFFFFFF for a short tensor and the F16C bits for a long one; the reference widens
+    # every float16 NaN as the operator library does, so convert_to_bfloat_before_bfp sees the same bits
+    from qtorch_onnx.formats.block import as_float32
+
+    nans = torch.tensor([0x7FFF, 0x7D00, 0xFC01 - 0x10000, 0x7E00], dtype=torch.int16).view(torch.float16)
+    want = [0x7FFFE000, 0x7FE00000, 0xFFC02000 - 2 ** 32, 0x7FC00000]
+    for n in (4, 64):
+        x = torch.ones(n, dtype=torch.float16)
+        x[:4] = nans
+        assert as_float32(x, "t")[0][:4].view(torch.int32).tolist() == want
+        y = bfp_reference(x, bit_width=16, block_size=8, convert_to_bfloat_before_bfp=1)
+        assert y[0].view(torch.int16).item() == -0x8000  # Quark's bfloat16 rounding carries 0x7FFFE000 into -0.0
+        assert torch.isnan(y[1:4]).all()
+
+
 def test_one_element_unchanged_and_zero_size():
     for x in (torch.tensor([3.14159]), torch.tensor([[[[-0.3]]]]), torch.tensor(7.25)):
         for method in ("to_bfp", "to_bfp_prime"):
