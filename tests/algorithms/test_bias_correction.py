@@ -180,6 +180,47 @@ def test_samples_of_different_spatial_shapes():
     assert rep.samples == 8 and all(r.corrected for r in rep.layers), rep.layers
 
 
+def test_shift_measured_afterwards_on_every_sample_is_gone():
+    """Independent of the correction's own bookkeeping (it evaluates each layer once per chunk, on the chunk's
+    mean sample, the layers being affine): every layer's input on every sample, captured from the corrected
+    model, through the corrected layer and through the uncorrected layer with its float weight; what is left of
+    the mean output shift is the INT32 rounding of the new bias. Samples of two spatial sizes."""
+    model = cnn()
+    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
+        if i >= 2:
+            d.Clear()
+            d.dim_param = "HW"[i - 2]
+    rng = np.random.default_rng(5)
+    # 12 small samples and 2 larger, brighter ones: chunks of different sizes and statistics must be weighted
+    # by their samples and positions
+    data = calib_data(12) + [{"input": rng.normal(1, 3, (1, 3, 20, 24)).astype(np.float32)} for _ in range(2)]
+    qm = _prepared("A8W8", model, data)
+    uncorrected = {l.name: l for l in copy.deepcopy(qm).layers(("Conv", "Gemm"))}
+    bias_correction(qm, data, progress=False)
+    layers = {l.name: l for l in qm.layers(("Conv", "Gemm"))}
+    seen = {name: [] for name in layers}
+    hooks = [l.module.register_forward_hook(lambda m, a, o, name=name: seen[name].append(a[0].detach()))
+             for name, l in layers.items()]
+    with torch.no_grad():
+        for d in data:
+            qm(torch.from_numpy(d["input"]))
+    for h in hooks:
+        h.remove()
+    for name, layer in layers.items():
+        total, count = 0.0, 0
+        ref = uncorrected[name]  # the reference: the float weight with the bias as it was
+        with torch.no_grad():
+            for x in seen[name]:
+                yq = layer.module(x)
+                ref.weight_quantizer.fake_quant_enabled = False
+                yf = ref.module(x)
+                d = (yq - yf).double().movedim(1, 0).reshape(yq.shape[1], -1)
+                total, count = total + d.sum(1), count + d.shape[1]
+        left = (total / count).abs().max().item()
+        step = float(layer.bias_quantizer.scale.max()) if layer.bias_quantizer is not None else 0.0
+        assert left <= 1.001 * step + 1e-6, (name, left, step)
+
+
 def test_a_second_run_changes_nothing():
     """Idempotent: the weight reference measures the weight error's shift whatever the bias, so a second run
     replaces the first correction instead of subtracting it again (it did, once: 0.058 -> 0.289 rel. L2 on
