@@ -139,17 +139,28 @@ class Observer:
             x = x.to(torch.float32)
         if x.numel() == 0:
             return
-        bad = ~torch.isfinite(x)
-        if bool(bad.any()):
-            n = int(bad.sum())
-            raise DataError(f"calibration data for tensor {self._label()} contains {n} NaN/Inf value(s) "
-                            f"(shape {tuple(x.shape)}); observers need finite data")
+        if not self._range_checks_finite:
+            self._check_finite(x)
         if self._pass == 1:
             self._count += x.numel()
             self._observe(x)
         else:
             self._count2 += x.numel()
             self._observe2(x)
+
+    def _check_finite(self, x: torch.Tensor) -> None:
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            n = int(bad.sum())
+            raise DataError(f"calibration data for tensor {self._label()} contains {n} NaN/Inf value(s) "
+                            f"(shape {tuple(x.shape)}); observers need finite data")
+
+    def _check_batch_range(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Raise as :meth:`update` does when the batch minima / maxima ``lo`` / ``hi`` of ``x`` are not finite
+        (torch's min / max propagate NaN, and an Inf is a minimum or a maximum): the finiteness check without
+        a pass of its own over ``x``. Call it before the state changes, so a bad batch leaves no trace."""
+        if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all())):
+            self._check_finite(x)
 
     def start_second_pass(self) -> None:
         """Switch to pass 2 (histogram observers). A no-op for single-pass observers.
@@ -322,9 +333,15 @@ class Observer:
             raise DataError(f"observer {type(self).__name__} for tensor {self._label()} needs a second pass: "
                             f"call start_second_pass() and feed the calibration data again")
 
+    #: True where the observer checks each batch's finiteness from its own min / max (_check_batch_range), so
+    #: update() needs no separate pass over the data (a full pass per activation during calibration)
+    _range_checks_finite = False
+
     def _observe_minmax(self, x: torch.Tensor) -> None:
-        lo = x.min().to(torch.float64)
-        hi = x.max().to(torch.float64)
+        lo, hi = torch.aminmax(x)  # one pass; exact, so the same values as min() and max()
+        if self._range_checks_finite:
+            self._check_batch_range(x, lo, hi)
+        lo, hi = lo.to(torch.float64), hi.to(torch.float64)
         self._min = lo if self._min is None else torch.minimum(self._min, lo)
         self._max = hi if self._max is None else torch.maximum(self._max, hi)
 
@@ -380,6 +397,8 @@ class MinMaxObserver(Observer):
             sample dimension).
     """
 
+    _range_checks_finite = True  # every path below checks its batch minima / maxima
+
     def __init__(self, axis: Optional[int] = None, moving_average: bool = False, averaging_constant: float = 0.01,
                  name: Optional[str] = None):
         if moving_average and not 0.0 < float(averaging_constant) <= 1.0:
@@ -407,9 +426,9 @@ class MinMaxObserver(Observer):
                 raise ConfigError(f"MinMax observer for tensor {self._label()}: moving_average works per sample "
                                   f"along dim 0, so the channel axis cannot be 0")
             y = x.movedim(ax, 1).reshape(x.shape[0], x.shape[ax], -1)
-            return y.amin(2), y.amax(2)
+            return torch.aminmax(y, dim=2)
         y = x.movedim(ax, 0).reshape(x.shape[ax], -1)
-        return y.amin(1), y.amax(1)
+        return torch.aminmax(y, dim=1)
 
     def _observe(self, x: torch.Tensor) -> None:
         if not self.moving_average:
@@ -417,6 +436,7 @@ class MinMaxObserver(Observer):
                 self._observe_minmax(x)
                 return
             lo, hi = self._reduce_per_channel(x, False)
+            self._check_batch_range(x, lo, hi)
             lo, hi = lo.to(torch.float64), hi.to(torch.float64)
             if self._min is not None and self._min.shape != lo.shape:
                 raise DataError(f"tensor {self._label()}: channel count changed from {self._min.shape[0]} to "
@@ -430,6 +450,7 @@ class MinMaxObserver(Observer):
             lo, hi = flat.amin(1), flat.amax(1)
         else:
             lo, hi = self._reduce_per_channel(xs, True)
+        self._check_batch_range(x, lo, hi)
         lo = lo.to(torch.float64).cpu()
         hi = hi.to(torch.float64).cpu()
         self._ma_rows += lo.shape[0]

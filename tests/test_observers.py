@@ -251,6 +251,21 @@ def test_nan_inf_raise_data_error(name):
         o.update(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]))
 
 
+@pytest.mark.parametrize("kw", [{}, {"axis": 1}, {"axis": 1, "moving_average": True}, {"moving_average": True}])
+def test_minmax_bad_batch_raises_with_its_count_and_leaves_no_trace(kw):
+    """MinMax checks finiteness from the batch's own minima / maxima (no separate pass): NaN, +Inf, -Inf each
+    raise with the count of bad values, and the range observed before the bad batch is kept."""
+    o = MinMaxObserver(name="act/x", **kw)
+    o.update(torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, 1.0]]))
+    before = [t.clone() for t in o.compute_range()]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.tensor([[1.0, bad, 0.5], [bad, 3.0, 1.0]])
+        with pytest.raises(DataError, match=r"'act/x' contains 2 NaN/Inf"):
+            o.update(x)
+        after = o.compute_range()
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), (bad, before, after)
+
+
 def test_two_pass_protocol_errors():
     o = PercentileObserver(name="t0")
     with pytest.raises(DataError, match="no data"):

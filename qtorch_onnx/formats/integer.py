@@ -232,11 +232,13 @@ def _fake_quantize_fused(x: torch.Tensor, s: torch.Tensor, zp: torch.Tensor, fmt
     torch.round(v, out=v)  # round half to even
     zpf = zp.to(torch.float32)
     v.add_(zpf)
-    c = v.clamp(qmin, qmax)
     mask = None
     if need_mask:
+        c = v.clamp(qmin, qmax)
         mask = torch.eq(c, v)
         mask.logical_or_(torch.logical_not(torch.abs(xf) < math.inf))  # |x| < inf is False for NaN and +-Inf
+    else:
+        c = v.clamp_(qmin, qmax)  # no mask: one buffer throughout
     torch.nan_to_num(c, nan=float(qmin), out=c)  # NaN -> qmin (no +-Inf is left after the clamp)
     c.sub_(zpf).mul_(s)
     return c, mask
