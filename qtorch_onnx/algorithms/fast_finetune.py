@@ -399,10 +399,11 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         opt.zero_grad(set_to_none=True)
         rec_value = 0.0
         for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
-            idx = torch.randint(0, n, (bs,), generator=gen).to(ex.device)
+            idx = torch.randint(0, n, (bs,), generator=gen)
             if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
-                rec_value += quad.backward(idx, 1.0 / s.num_batches)
+                rec_value += quad.backward(idx, 1.0 / s.num_batches)  # host indices: no device round trip
                 continue
+            idx = idx.to(ex.device)
             inputs = {}
             for a, x in ld.q_inputs.items():
                 xb = x.index_select(0, idx)

@@ -476,7 +476,8 @@ class QuadraticLayerLoss:
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> float:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight
-        and bias quantizers' autograd); returns ``factor * loss(idx)``."""
+        and bias quantizers' autograd); returns ``factor * loss(idx)``. ``idx``: int64 ``[B]`` sample indices,
+        best on the host (they are read as Python ints; a device tensor costs a synchronisation)."""
         wq, R, bq, gb, sse = self._evaluate(idx, True)
         f = factor / (idx.numel() * self.denominator)
         tensors, grads = [], []
