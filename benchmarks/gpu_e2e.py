@@ -44,7 +44,6 @@ def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> d
     """Fast finetune of a copy of ``qm`` under ``torch.profiler``: writes the operator table (sorted by self
     device time on CUDA, self CPU time otherwise) to ``path`` and returns, per layer-iteration, the kernel
     launches, the host synchronisations and copies, and the device-side time (what a GPU iteration spends)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     import qtorch_onnx as qo
