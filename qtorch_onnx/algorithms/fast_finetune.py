@@ -321,6 +321,11 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     return qm
 
 
+#: fast finetune reads its loss on the host every this many iterations to catch a divergence (NaN / Inf); the
+#: layer is restored then, so a late catch loses nothing but those iterations
+DIVERGENCE_CHECK = 10
+
+
 def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool,
                     quadratic_loss: bool = True, act=None) -> LayerRecord:
     from tqdm.auto import tqdm
@@ -390,18 +395,24 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
     # iterations when > 1, else a tenth of NumIterations) must beat the best window so far, or the layer stops
     window = s.num_batches if s.num_batches > 1 else max(1, s.num_iterations // 10)
-    best, acc, seen = math.inf, 0.0, 0
+    best, seen = math.inf, 0
     diverged = False
     it_bar = tqdm(range(s.num_iterations), desc=layer.name, leave=False, disable=not progress or s.num_iterations < 50)
     it = 0
+    # The losses stay on the device (float64, summed in the order a host loop would): the host reads them only
+    # where a decision needs them (an EarlyStop window's end, a LogPeriod line) and every DIVERGENCE_CHECK
+    # iterations for a non-finite loss, instead of once per iteration (a GPU synchronisation each)
+    window_sum = None
+    nonfinite = None
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     for it in it_bar:
         opt.zero_grad(set_to_none=True)
-        rec_value = 0.0
+        rec_value = None
         for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
             idx = torch.randint(0, n, (bs,), generator=gen)
             if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
-                rec_value += quad.backward(idx, 1.0 / s.num_batches)  # host indices: no device round trip
+                v = quad.backward(idx, 1.0 / s.num_batches)  # host indices: no device round trip
+                rec_value = v if rec_value is None else rec_value + v
                 continue
             idx = idx.to(ex.device)
             inputs = {}
@@ -415,25 +426,34 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
             if out_q is not None:
                 pred = out_q(pred)
             loss = _rec_loss(pred, ld.target.index_select(0, idx)) / s.num_batches
-            rec_value += float(loss.detach())
+            v = loss.detach().double()
+            rec_value = v if rec_value is None else rec_value + v
             loss.backward()
-        if not math.isfinite(rec_value):
-            diverged = True
+        bad = ~torch.isfinite(rec_value)
+        nonfinite = bad if nonfinite is None else nonfinite | bad
+        if (it + 1) % DIVERGENCE_CHECK == 0 and bool(nonfinite):
+            diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
             break
         if hook is not None and it >= warm:
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
             (s.reg_param * hook.regularizer(beta)).backward()
         opt.step()
         if s.log_period and (it + 1) % s.log_period == 0:
-            it_bar.set_postfix_str(f"loss {rec_value:.4g}")
+            it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
         if s.early_stop and it >= warm:
-            acc, seen = acc + rec_value, seen + 1
+            window_sum = rec_value if window_sum is None else window_sum + rec_value
+            seen += 1
             if seen == window:
-                mean, acc, seen = acc / window, 0.0, 0
+                if bool(nonfinite):  # a non-finite window mean is no progress: stop as diverged
+                    diverged = True
+                    break
+                mean, window_sum, seen = float(window_sum) / window, None, 0
                 if mean > best:
                     rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
                     break
                 best = mean
+    if not diverged and nonfinite is not None and bool(nonfinite):
+        diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
     it_bar.close()
     rec.iterations = it + 1

@@ -455,14 +455,15 @@ class QuadraticLayerLoss:
         H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
         R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
         wf = w.reshape(-1)
-        sse = float(torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))) + const  # w.(H w - 2 G) + c
+        # w.(H w - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
+        sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const
         nl = idx.numel() * self.length
         bq, gb = None, None
         if self.train_bias:
             bq = m.bias
             b = bq.detach().reshape(out).to(dtype)
             ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # w_o . s
-            sse += float(2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum())
+            sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
             if want_grad:
                 R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
                 gb = 2.0 * (ws + nl * b - Y)
@@ -472,12 +473,13 @@ class QuadraticLayerLoss:
         """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it
         (computed in float64: the quadratic form cancels most of the constant ``c``)."""
         with torch.no_grad():
-            return self._evaluate(idx, False, torch.float64)[4] / (idx.numel() * self.denominator)
+            return float(self._evaluate(idx, False, torch.float64)[4]) / (idx.numel() * self.denominator)
 
-    def backward(self, idx: torch.Tensor, factor: float = 1.0) -> float:
+    def backward(self, idx: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight
-        and bias quantizers' autograd); returns ``factor * loss(idx)``. ``idx``: int64 ``[B]`` sample indices,
-        best on the host (they are read as Python ints; a device tensor costs a synchronisation)."""
+        and bias quantizers' autograd); returns ``factor * loss(idx)`` as a 0-d float64 tensor on the layer's
+        device (read it when needed: each read is a host synchronisation on a GPU). ``idx``: int64 ``[B]``
+        sample indices, best on the host (they are read as Python ints)."""
         wq, R, bq, gb, sse = self._evaluate(idx, True)
         f = factor / (idx.numel() * self.denominator)
         tensors, grads = [], []

@@ -538,10 +538,12 @@ def quantize_bias(b: torch.Tensor, scale_b: TensorLike) -> torch.Tensor:
             a NaN bias raises ConfigError as well (it would silently become INT32_MIN).
     """
     bs = torch.as_tensor(scale_b).to(device=b.device, dtype=torch.float64)
-    if not (torch.isfinite(bs).all() and (bs > 0).all()):
-        raise ConfigError(f"quantize_bias: bias scale must be positive and finite, got {bs.flatten()[:8].tolist()}")
     bd = b.to(torch.float64)
-    if torch.isnan(bd).any():
+    # one host read for both checks (a GPU synchronisation each; a training step quantizes the bias every time)
+    bad_scale = ~(torch.isfinite(bs) & (bs > 0)).all()
+    if bool(bad_scale | torch.isnan(bd).any()):
+        if bool(bad_scale):
+            raise ConfigError(f"quantize_bias: bias scale must be positive and finite, got {bs.flatten()[:8].tolist()}")
         raise ConfigError("quantize_bias: the bias contains NaN")
     q = torch.round(bd / bs).clamp(-(2 ** 31), 2 ** 31 - 1)
     return q.to(torch.int32)
