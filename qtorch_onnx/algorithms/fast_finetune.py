@@ -31,7 +31,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -222,7 +222,7 @@ def _output_quantizer(qm, node):
 
 def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[str] = None, progress: bool = True,
                   report_dir: Optional[str] = None, quadratic_loss: bool = True,
-                  through_activation: Optional[bool] = None,
+                  through_activation: Optional[bool] = None, granularity: Optional[str] = None,
                   **overrides):
     """Finetune ``qm``'s weights layer by layer (AdaRound or AdaQuant) on ``data``; returns ``qm`` (in place).
 
@@ -245,6 +245,15 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             None (default): AdaQuant yes, AdaRound no, as measured on EfficientNet-Lite0 A8W8, 50 iterations,
             3 seeds (docs/benchmarks.md, "Fast finetune through the following activation"): AdaQuant output
             error 0.3086 -> 0.2938, AdaRound 0.1847 -> 0.1991.
+        granularity: ``"layer"`` (each layer on its own output, as Quark) or ``"block"``: block
+            reconstruction (BRECQ, Li et al. 2021, "BRECQ: Pushing the Limit of Post-Training Quantization by
+            Block Reconstruction", section 3.2) at residual-block granularity. The graph is cut where a single
+            activation carries everything that follows (:meth:`StagedExecutor.cut_nodes`); the target layers
+            between two cuts, when there are 2 to :data:`MAX_BLOCK_LAYERS` of them (a residual block, with its
+            skip connection), train together on the block's output (plain squared error, no Fisher weighting);
+            the others train layer by layer as with ``"layer"``. One report record per block. None
+            (default): the settings' ``BlockRecon`` (Quark's key; Quark 0.13 accepts it and never reads it),
+            False unless set: ``"layer"``.
         **overrides: FastFinetuneSettings fields, e.g. ``num_iterations=200, batch_size=8``.
 
     Returns:
@@ -256,7 +265,11 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
         DataError: empty data, or fewer samples than BatchSize / DataSize ask for.
     """
     t0 = time.perf_counter()
+    if granularity not in (None, "layer", "block"):
+        raise ConfigError(f"fast_finetune granularity {granularity!r}; valid: 'layer', 'block'")
     s = _settings(qm, settings, algorithm, overrides)
+    if granularity is None:
+        granularity = "block" if s.block_recon else "layer"
     samples = _data.to_samples(data, qm.input_specs, what="fast finetune data")
     if s.data_size is not None:
         if len(samples) < s.data_size:
@@ -291,20 +304,26 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     from tqdm.auto import tqdm
 
     nodes, targets = in_graph_order(qm, targets)
-    bar = tqdm(targets, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
+    units = _blocks(ex, nodes, targets) if granularity == "block" else [(layer, None, None) for layer in targets]
+    bar = tqdm(units, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
     try:
-        for index, layer in enumerate(bar):
-            node = nodes[layer.name]
+        for index, (layer, start, block_nodes) in enumerate(bar):
             t_layer = time.perf_counter()
-            ex.advance_to(node)
-            ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
-            act = _following_activation(op_of, node) if through and not s.output_qdq else None
-            rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act)
+            if start is not None:  # a block: layer is the list of its layers
+                ex.advance_to(block_nodes[0])
+                rec = _optimize_block(qm, ex, layer, start, block_nodes, s, index, progress)
+                ex.finish_block(block_nodes)
+            else:
+                node = nodes[layer.name]
+                ex.advance_to(node)
+                ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
+                act = _following_activation(op_of, node) if through and not s.output_qdq else None
+                rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act)
+                ex.finish_layer(node)
+                del ld
             rec.seconds = time.perf_counter() - t_layer
             report.layers.append(rec)
-            bar.set_postfix_str(f"{layer.name}: {rec.loss_before:.3g} -> {rec.loss_after:.3g}")
-            ex.finish_layer(node)
-            del ld
+            bar.set_postfix_str(f"{rec.name}: {rec.loss_before:.3g} -> {rec.loss_after:.3g}")
     finally:
         bar.close()
         report.peak_cached_bytes = ex.peak_bytes
@@ -326,11 +345,48 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
 DIVERGENCE_CHECK = 10
 
 
+#: the most target layers block reconstruction trains together; a longer stretch between two cuts (a long skip
+#: connection, say) trains layer by layer
+MAX_BLOCK_LAYERS = 8
+
+
+def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any]) -> List[Tuple[Any, Any, Any]]:
+    """Units of block reconstruction in graph order: ``(layer, None, None)`` for a layer trained alone,
+    ``([layers], start, block_nodes)`` for a block (``start``: the cut before it; ``block_nodes``: every node
+    after ``start`` up to and including the next cut)."""
+    order = {n.name: i for i, n in enumerate(ex.q_nodes)}
+    cuts = [order[c.name] for c in ex.cut_nodes()]
+    units: List[Tuple[Any, Any, Any]] = []
+    groups: Dict[int, List[Any]] = {}
+    for layer in targets:
+        p = order[nodes[layer.name].name]
+        before = [c for c in cuts if c < p]
+        after = [c for c in cuts if c >= p]
+        seg = before[-1] if before and after else None  # a layer after the last cut (or before the first) trains alone
+        if seg is None:
+            units.append((layer, None, None))
+            continue
+        if seg not in groups:
+            groups[seg] = []
+            units.append(("group", seg, groups[seg]))
+        groups[seg].append(layer)
+    out: List[Tuple[Any, Any, Any]] = []
+    for u in units:
+        if u[0] != "group":
+            out.append(u)
+            continue
+        _, seg, layers = u
+        if not 2 <= len(layers) <= MAX_BLOCK_LAYERS:
+            out += [(layer, None, None) for layer in layers]
+            continue
+        end = min(c for c in cuts if c > seg)
+        out.append((layers, ex.q_nodes[seg], ex.q_nodes[seg + 1:end + 1]))
+    return out
+
+
 def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool,
                     quadratic_loss: bool = True, act=None) -> LayerRecord:
-    from tqdm.auto import tqdm
-
-    fq = layer.weight_quantizer
+    """Reconstruct one layer (its output, or the following activation's with ``act``) on its cached data."""
     fn = ex.layer_fn(node)
     if act is not None:  # reconstruct the following activation's output (ACTIVATION_OPS)
         act_node, act_input = act
@@ -343,39 +399,71 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
             ld.target = act_fn({act_input: ld.target})
         quadratic_loss = False
     out_q = _output_quantizer(qm, node) if s.output_qdq else None
-    loss_before = _loss_on_all(fn, ld, output_q=out_q)
-    rec = LayerRecord(layer.name, layer.op_type, fq.fmt.name, loss_before, loss_before, 0, 0.0)
+    rec = LayerRecord(layer.name, layer.op_type, layer.weight_quantizer.fmt.name, 0.0, 0.0, 0, 0.0)
     if act is not None:
         rec.note = f"reconstructed through the following {act[0].name}"
+
+    def quad_for(fn, bs):
+        return _quadratic_loss(qm, node, layer, ld, fn, s, bs, out_q) if quadratic_loss else None
+
+    return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for)
+
+
+def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index: int, progress: bool
+                    ) -> LayerRecord:
+    """Reconstruct a block (BRECQ, Li et al. 2021): every layer of ``layers`` trained together on the output of
+    the block's last node, from the cached quantized value of ``start`` (the block's one input)."""
+    ld = ex.block_data(start, nodes, with_float_inputs=s.drop_ratio < 1.0)
+    fn = ex.block_fn(start, nodes)
+    fmts = sorted({l.weight_quantizer.fmt.name for l in layers})
+    rec = LayerRecord(f"{layers[0].name} .. {layers[-1].name}", "block", "/".join(fmts), 0.0, 0.0, 0, 0.0,
+                      note=f"block of {len(layers)} layers ({', '.join(l.name for l in layers)}), "
+                           f"reconstructed on the output of {nodes[-1].name}")
+    return _reconstruct(list(layers), fn, ld, s, index, progress, rec, ex.device)
+
+
+def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: bool, rec: LayerRecord,
+                 device: torch.device, out_q=None, quad_for=None) -> LayerRecord:
+    """The optimisation shared by layers and blocks: AdaRound (a rounding hook per layer, one regulariser sum)
+    or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
+    EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(fn, batch)``: a single layer's
+    :class:`QuadraticLayerLoss` (or None) and its note. Fills and returns ``rec``."""
+    from tqdm.auto import tqdm
+
+    loss_before = _loss_on_all(fn, ld, output_q=out_q)
+    rec.loss_before = rec.loss_after = loss_before
     if not math.isfinite(loss_before):
         rec.kept = False
         rec.note = (rec.note + "; " if rec.note else "") + "loss before finetuning is not finite; layer left as it was"
         return rec
-    # state to restore
-    saved_observer = (fq._observer_enabled, fq._observer_auto_off)
-    saved_rounding = fq.rounding
-    saved_w = layer.weight.detach().clone()
-    saved_b = layer.bias.detach().clone() if layer.bias is not None else None
-    if s.optim_algorithm == "adaround":
-        fq._observer_enabled = False  # AdaRound keeps the scale; the rounding is what it learns
-        w = layer.weight.detach().float()
-        scale = fq.scale.detach()
-        if scale.dim() > 0:
-            shape = [1] * w.dim()
-            shape[fq.axis % w.dim()] = scale.numel()
-            scale = scale.reshape(shape)
-        hook = AdaRoundRounding(w / scale).to(w.device)
-        fq.set_rounding(hook)
-        hook.train()
-        params = [hook.alpha]
-    else:
-        # AdaQuant with the quantization step fixed (Hubara et al. 2021, section 3; Quark 0.13 alike): the
-        # weight moves on the grid of the calibrated scale, which then stays with the finetuned weight (its
-        # export) instead of following the weight's new min / max
-        if fq.tracks_value:
-            fq._observer_enabled = False
-        params = [layer.weight] + ([layer.bias] if s.update_bias and layer.bias is not None else [])
-        hook = None
+    # state to restore, per layer
+    saved = []
+    hooks: List[AdaRoundRounding] = []
+    params: List[torch.Tensor] = []
+    for layer in layers:
+        fq = layer.weight_quantizer
+        saved.append(((fq._observer_enabled, fq._observer_auto_off), fq.rounding, layer.weight.detach().clone(),
+                      layer.bias.detach().clone() if layer.bias is not None else None))
+        if s.optim_algorithm == "adaround":
+            fq._observer_enabled = False  # AdaRound keeps the scale; the rounding is what it learns
+            w = layer.weight.detach().float()
+            scale = fq.scale.detach()
+            if scale.dim() > 0:
+                shape = [1] * w.dim()
+                shape[fq.axis % w.dim()] = scale.numel()
+                scale = scale.reshape(shape)
+            hook = AdaRoundRounding(w / scale).to(w.device)
+            fq.set_rounding(hook)
+            hook.train()
+            hooks.append(hook)
+            params.append(hook.alpha)
+        else:
+            # AdaQuant with the quantization step fixed (Hubara et al. 2021, section 3; Quark 0.13 alike): the
+            # weight moves on the grid of the calibrated scale, which then stays with the finetuned weight (its
+            # export) instead of following the weight's new min / max
+            if fq.tracks_value:
+                fq._observer_enabled = False
+            params += [layer.weight] + ([layer.bias] if s.update_bias and layer.bias is not None else [])
     for p in params:
         p.requires_grad_(True)
     lr = s.learning_rate
@@ -387,7 +475,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     bs = min(s.batch_size, n)
-    quad = _quadratic_loss(qm, node, layer, ld, fn, s, bs, out_q) if quadratic_loss else None
+    quad = quad_for(fn, bs) if quad_for is not None else None
     if quad is not None:
         rec.note = (rec.note + "; " if rec.note else "") + quad[1]
         quad = quad[0]
@@ -397,7 +485,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     window = s.num_batches if s.num_batches > 1 else max(1, s.num_iterations // 10)
     best, seen = math.inf, 0
     diverged = False
-    it_bar = tqdm(range(s.num_iterations), desc=layer.name, leave=False, disable=not progress or s.num_iterations < 50)
+    it_bar = tqdm(range(s.num_iterations), desc=rec.name, leave=False, disable=not progress or s.num_iterations < 50)
     it = 0
     # The losses stay on the device (float64, summed in the order a host loop would): the host reads them only
     # where a decision needs them (an EarlyStop window's end, a LogPeriod line) and every DIVERGENCE_CHECK
@@ -414,7 +502,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
                 v = quad.backward(idx, 1.0 / s.num_batches)  # host indices: no device round trip
                 rec_value = v if rec_value is None else rec_value + v
                 continue
-            idx = idx.to(ex.device)
+            idx = idx.to(device)
             inputs = {}
             for a, x in ld.q_inputs.items():
                 xb = x.index_select(0, idx)
@@ -434,9 +522,9 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         if (it + 1) % DIVERGENCE_CHECK == 0 and bool(nonfinite):
             diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
             break
-        if hook is not None and it >= warm:
+        if hooks and it >= warm:
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
-            (s.reg_param * hook.regularizer(beta)).backward()
+            (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
         opt.step()
         if s.log_period and (it + 1) % s.log_period == 0:
             it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
@@ -459,26 +547,27 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     rec.iterations = it + 1
     for p in params:
         p.requires_grad_(False)
-    if hook is not None:
+    for hook in hooks:
         hook.hard_mode = True
         hook.eval()
     loss_after = _loss_on_all(fn, ld, output_q=out_q) if not diverged else math.nan
     rec.loss_after = loss_after
     restore = diverged or not math.isfinite(loss_after) or (s.selective_update and loss_after >= loss_before)
     if restore:
-        with torch.no_grad():
-            layer.weight.copy_(saved_w)
-            if saved_b is not None:
-                layer.bias.copy_(saved_b)
-        fq.set_rounding(saved_rounding)
-        fq._observer_enabled, fq._observer_auto_off = saved_observer
+        for layer, (observer, rounding, w0, b0) in zip(layers, saved):
+            with torch.no_grad():
+                layer.weight.copy_(w0)
+                if b0 is not None:
+                    layer.bias.copy_(b0)
+            layer.weight_quantizer.set_rounding(rounding)
+            layer.weight_quantizer._observer_enabled, layer.weight_quantizer._observer_auto_off = observer
         rec.kept = False
         rec.loss_after = loss_before
         why = ("the loss diverged (NaN/Inf): layer restored" if diverged or not math.isfinite(loss_after)
                else f"SelectiveUpdate: loss {loss_after:.4g} not below {loss_before:.4g}; update discarded")
         rec.note = (rec.note + "; " if rec.note else "") + why
         if diverged or not math.isfinite(loss_after):
-            warnings.warn(f"fast finetune: layer {layer.name!r}: {why}", stacklevel=3)
+            warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
 
 

@@ -269,6 +269,73 @@ class StagedExecutor:
 
         return fn
 
+    # ------------------------------------------------------------------ blocks (BRECQ)
+    def cut_nodes(self) -> List[fx.Node]:
+        """The activation nodes that are, once computed, the only activation the rest of the graph reads (every
+        later node depends on the earlier ones through it alone), in graph order: the boundaries of residual
+        blocks. A chain of layers has a cut after each of them; a skip connection spans a block."""
+        order = {n.name: i for i, n in enumerate(self.q_nodes)}
+        dies: Dict[int, int] = {}
+        for name, last in self.last_use.items():
+            if not self.const.get(name, True) and last > order[name]:
+                dies[last] = dies.get(last, 0) + 1
+        live, out = 0, []
+        for i, n in enumerate(self.q_nodes):
+            live -= dies.get(i, 0)  # values read for the last time here
+            if n.op in ("placeholder", "output") or self.const[n.name]:
+                if n.op == "placeholder" and self.last_use.get(n.name, -1) > i:
+                    live += 1
+                continue
+            if self.last_use.get(n.name, -1) > i:
+                live += 1
+                if live == 1:
+                    out.append(n)
+        return out
+
+    def block_fn(self, start: fx.Node, nodes: Sequence[fx.Node]) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
+        """``fn({start: x}) -> output of nodes[-1]``: the block ``nodes`` (consecutive, in graph order, reading no
+        activation from before it but ``start``) of the quantized graph, its constant inputs (weights through
+        their quantizers) recomputed each call, with autograd."""
+        interp = fx.Interpreter(self.q_gm)
+        run = [n for n in nodes if not self.const[n.name]]
+
+        def const_value(n: fx.Node, memo: Dict[fx.Node, Any]):
+            if n in memo:
+                return memo[n]
+            interp.env = {a: const_value(a, memo) for a in n.all_input_nodes}
+            memo[n] = interp.run_node(n)
+            return memo[n]
+
+        def fn(inputs: Dict[fx.Node, torch.Tensor]):
+            memo: Dict[fx.Node, Any] = {}
+            vals: Dict[fx.Node, Any] = {start: inputs[start]}
+            for n in run:
+                interp.env = {a: vals[a] if a in vals else const_value(a, memo) for a in n.all_input_nodes}
+                vals[n] = interp.run_node(n)
+            return vals[run[-1]]
+
+        return fn
+
+    def block_data(self, start: fx.Node, nodes: Sequence[fx.Node], with_float_inputs: bool) -> LayerData:
+        """The cached quantized value of ``start`` (and its float one with ``with_float_inputs``) and the float
+        model's output of ``nodes[-1]``, computing the float model through the block (the executor stands at
+        ``nodes[0]``, right after ``start``)."""
+        data = LayerData(nodes[-1])
+        data.q_inputs[start] = self._stack(self.q_env, start.name)
+        if with_float_inputs:
+            data.f_inputs[start] = self._stack(self.f_env, start.name)
+        for n in nodes:
+            self.step(n, quantized=False, float_too=True)
+        data.target = self._stack(self.f_env, nodes[-1].name)
+        return data
+
+    def finish_block(self, nodes: Sequence[fx.Node]) -> None:
+        """Compute the quantized block with its finetuned weights and move past it."""
+        for n in nodes:
+            self.step(n, quantized=True, float_too=False)
+            self.release_inputs(n, self.pos)
+            self.pos += 1
+
     def finish_layer(self, node: fx.Node) -> None:
         """Recompute the quantized output of ``node`` with its finetuned weights and move past it."""
         self.step(node, quantized=True, float_too=False)

@@ -113,6 +113,7 @@ class FastFinetuneSettings:
     log_period: int = 100  # show the loss every this many iterations
     mem_opt_level: int = 1  # cached activations: 0 on the device (host past a budget), 1 host memory, 2 disk
     output_index: int = 0  # model output the before/after report measures
+    block_recon: bool = False  # BlockRecon: residual blocks trained together (BRECQ); Quark 0.13 stores it, unused
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optim_algorithm",

@@ -145,9 +145,9 @@ MX_ELEMENT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp
 FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchSize", "DataSize", "FixedSeed",
                       "EarlyStop", "OptimDevice", "InferDevice", "UpdateBias", "RegParam", "BetaRange",
                       "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
-                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex")
+                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon")
 FAST_FINETUNE_NOT_SUPPORTED = frozenset({"RefModelPath", "CacheDir", "SelectMaxMemLayer", "NumWorkers", "PinMemory",
-                                         "UseGDS", "DynamicBatch", "Parallel", "BlockRecon"})
+                                         "UseGDS", "DynamicBatch", "Parallel"})
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
                 "L2Target", "Top1AccTarget", "EvaluateFunction", "DualQuantNodes")
@@ -734,6 +734,7 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         log_period=_int(opts.get("LogPeriod", d.log_period), f"{where}['LogPeriod']", 1),
         mem_opt_level=_int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2),
         output_index=_int(opts.get("OutputIndex", d.output_index), f"{where}['OutputIndex']", 0),
+        block_recon=_bool(opts.get("BlockRecon", d.block_recon), f"{where}['BlockRecon']"),
     )
 
 

@@ -2,6 +2,7 @@
 determinism, the Quark vocabulary, bad settings."""
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import onnx
@@ -14,7 +15,7 @@ from qtorch_onnx.algorithms import AdaRoundRounding, fast_finetune
 from qtorch_onnx.data import to_samples
 from qtorch_onnx.runtime import check_parity
 
-from ..quant.small_models import calib_data, cnn, token_block, token_data
+from ..quant.small_models import calib_data, cnn, residual_cnn, token_block, token_data
 
 
 def _prepared(config, model=None, data=None):
@@ -322,3 +323,87 @@ def test_adaquant_reconstructs_through_the_following_activation():
     assert rec["conv1"].loss_before <= plain["conv1"].loss_before
     rounded, _ = notes("adaround")
     assert not any("reconstructed through" in r.note for r in rounded.values())
+
+
+# ------------------------------------------------------------------------------------------ block reconstruction
+def _integers(qm, name):
+    layer = {l.name: l for l in qm.layers()}[name]
+    fq = layer.weight_quantizer
+    with torch.no_grad():
+        got = fq.quantize_integer(layer.weight)
+        s = fq.scale.detach().reshape([-1] + [1] * (layer.weight.dim() - 1)) if fq.scale.dim() else fq.scale.detach()
+        nearest = torch.round(layer.weight.detach() / s).to(torch.int64)
+    return got, nearest
+
+
+@pytest.mark.parametrize("algorithm", ["adaround", "adaquant"])
+def test_block_reconstruction_trains_a_residual_block_together(algorithm):
+    """BRECQ at residual-block granularity: the two convolutions inside the skip connection form one unit trained
+    on the block's output (the Add); the layers outside it train alone, as layer-wise. Export stays bit-exact."""
+    data = calib_data(16)
+    qm = _prepared("A8W8", residual_cnn(), data)
+    before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
+    fast_finetune(qm, data, algorithm=algorithm, num_iterations=200, batch_size=4, progress=False,
+                  granularity="block")
+    rep = qm.finetune_report
+    assert [r.name for r in rep.layers] == ["stem", "a .. b", "c", "fc"]
+    block = rep.layers[1]
+    assert block.op_type == "block" and "a, b" in block.note and block.kept, block
+    assert block.iterations == 200 and math.isfinite(block.loss_after)
+    if algorithm == "adaround":  # both layers of the block learned a rounding of their own, the block's loss fell
+        assert block.loss_after < block.loss_before, block
+        for name in ("a", "b"):
+            got, nearest = _integers(qm, name)
+            assert (got - nearest).abs().max() <= 1 and bool((got != nearest).any()), name
+    else:  # AdaQuant moved both weights (on this random model its loss on all data moves by noise, as layer-wise)
+        assert not torch.equal(qm.parameter("wa"), before["wa"]) and not torch.equal(qm.parameter("wb"), before["wb"])
+    _bit_exact(qm, data)
+
+
+def test_block_granularity_without_blocks_is_layer_wise():
+    """A model whose skip connections hold a single layer each has no block: the same bytes as layer-wise."""
+    data = calib_data(8)
+    out = []
+    for gran in ("layer", "block"):
+        qm = _prepared("A8W8", cnn(), data)
+        fast_finetune(qm, data, algorithm="adaround", num_iterations=40, progress=False, granularity=gran)
+        out.append(qo.export(qm, None).SerializeToString())
+    assert out[0] == out[1]
+
+
+def test_block_reconstruction_is_deterministic_and_restores_a_diverged_block():
+    data = calib_data(8)
+    runs = []
+    for _ in range(2):
+        qm = _prepared("A8W8", residual_cnn(), data)
+        fast_finetune(qm, data, algorithm="adaround", num_iterations=40, progress=False, granularity="block")
+        runs.append(qo.export(qm, None).SerializeToString())
+    assert runs[0] == runs[1]
+    qm = _prepared("BF16", residual_cnn(), data)
+    before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
+    with pytest.warns(UserWarning, match="diverged"):
+        fast_finetune(qm, data, algorithm="adaquant", num_iterations=30, learning_rate=1e30, progress=False,
+                      granularity="block")
+    block = qm.finetune_report.layers[1]
+    assert block.name == "a .. b" and not block.kept and "diverged" in block.note, block
+    assert torch.equal(qm.parameter("wa"), before["wa"]) and torch.equal(qm.parameter("wb"), before["wb"])
+
+
+def test_block_granularity_bad_value():
+    with pytest.raises(qo.ConfigError, match="granularity"):
+        fast_finetune(_prepared("A8W8"), calib_data(4), granularity="stage", progress=False)
+    with pytest.raises(qo.ConfigError, match="BlockRecon"):
+        fast_finetune(_prepared("A8W8"), calib_data(4), {"BlockRecon": "yes"}, progress=False)
+
+
+def test_quark_block_recon_key_turns_blocks_on():
+    """Quark's FastFinetune BlockRecon (Quark 0.13 accepts it and never reads it) selects block reconstruction;
+    the granularity argument overrides it."""
+    data = calib_data(8)
+    qm = _prepared("A8W8", residual_cnn(), data)
+    fast_finetune(qm, data, {"BlockRecon": True, "NumIterations": 20}, progress=False)
+    assert [r.name for r in qm.finetune_report.layers] == ["stem", "a .. b", "c", "fc"]
+    assert qm.finetune_report.settings["block_recon"] is True
+    qm = _prepared("A8W8", residual_cnn(), data)
+    fast_finetune(qm, data, {"BlockRecon": True, "NumIterations": 20}, progress=False, granularity="layer")
+    assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]

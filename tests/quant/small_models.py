@@ -107,3 +107,37 @@ def token_block(opset: int = 17, seed: int = 0) -> onnx.ModelProto:
 def token_data(n: int = 8, seed: int = 1, batch: int = 2):
     rng = np.random.default_rng(seed)
     return [{"ids": rng.integers(0, 20, (batch, 6)).astype(np.int64)} for _ in range(n)]
+
+
+def residual_cnn(opset: int = 17, seed: int = 0) -> onnx.ModelProto:
+    """input [N,3,16,16] -> Conv(8) "stem" -> Relu -> [Conv(8) "a" -> Relu -> Conv(8) "b"] -> Add(skip) -> Relu
+    -> Conv(8, stride 2) "c" -> GlobalAveragePool -> Flatten -> Gemm(10) "fc": one residual block of two layers
+    (a, b) between two single-activation cuts, the other layers alone. Uses :func:`calib_data`."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w0", rng.normal(0, 0.3, (8, 3, 3, 3))), _init("b0", rng.normal(0, 0.1, 8)),
+        _init("wa", rng.normal(0, 0.2, (8, 8, 3, 3))), _init("ba", rng.normal(0, 0.1, 8)),
+        _init("wb", rng.normal(0, 0.2, (8, 8, 3, 3))), _init("bb", rng.normal(0, 0.1, 8)),
+        _init("wc", rng.normal(0, 0.2, (8, 8, 3, 3))), _init("bc", rng.normal(0, 0.1, 8)),
+        _init("fc_w", rng.normal(0, 0.3, (10, 8))), _init("fc_b", rng.normal(0, 0.1, 10)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "w0", "b0"], ["c0"], name="stem", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        helper.make_node("Conv", ["r0", "wa", "ba"], ["ca"], name="a", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["ca"], ["ra"], name="relua"),
+        helper.make_node("Conv", ["ra", "wb", "bb"], ["cb"], name="b", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["cb", "r0"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["rs"], name="relus"),
+        helper.make_node("Conv", ["rs", "wc", "bc"], ["cc"], name="c", pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("GlobalAveragePool", ["cc"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten", axis=1),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(nodes, "residual_cnn",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
