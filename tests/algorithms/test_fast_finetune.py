@@ -371,6 +371,15 @@ def test_block_granularity_without_blocks_is_layer_wise():
     assert out[0] == out[1]
 
 
+def test_a_gate_is_not_a_residual_block():
+    """The same two layers between two cuts, joined to the skip by a Mul (a squeeze-and-excitation style gate)
+    instead of an Add: no block, they train layer by layer."""
+    data = calib_data(8)
+    qm = _prepared("A8W8", residual_cnn(join="Mul"), data)
+    fast_finetune(qm, data, algorithm="adaround", num_iterations=20, progress=False, granularity="block")
+    assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]
+
+
 def test_block_reconstruction_is_deterministic_and_restores_a_diverged_block():
     data = calib_data(8)
     runs = []

@@ -109,10 +109,11 @@ def token_data(n: int = 8, seed: int = 1, batch: int = 2):
     return [{"ids": rng.integers(0, 20, (batch, 6)).astype(np.int64)} for _ in range(n)]
 
 
-def residual_cnn(opset: int = 17, seed: int = 0) -> onnx.ModelProto:
+def residual_cnn(opset: int = 17, seed: int = 0, join: str = "Add") -> onnx.ModelProto:
     """input [N,3,16,16] -> Conv(8) "stem" -> Relu -> [Conv(8) "a" -> Relu -> Conv(8) "b"] -> Add(skip) -> Relu
     -> Conv(8, stride 2) "c" -> GlobalAveragePool -> Flatten -> Gemm(10) "fc": one residual block of two layers
-    (a, b) between two single-activation cuts, the other layers alone. Uses :func:`calib_data`."""
+    (a, b) between two single-activation cuts, the other layers alone. ``join="Mul"``: the skip joins by a
+    product (a gate, as squeeze-and-excitation). Uses :func:`calib_data`."""
     rng = np.random.default_rng(seed)
     inits = [
         _init("w0", rng.normal(0, 0.3, (8, 3, 3, 3))), _init("b0", rng.normal(0, 0.1, 8)),
@@ -127,7 +128,7 @@ def residual_cnn(opset: int = 17, seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Conv", ["r0", "wa", "ba"], ["ca"], name="a", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["ca"], ["ra"], name="relua"),
         helper.make_node("Conv", ["ra", "wb", "bb"], ["cb"], name="b", pads=[1, 1, 1, 1]),
-        helper.make_node("Add", ["cb", "r0"], ["s"], name="add"),
+        helper.make_node(join, ["cb", "r0"], ["s"], name="add"),
         helper.make_node("Relu", ["s"], ["rs"], name="relus"),
         helper.make_node("Conv", ["rs", "wc", "bc"], ["cc"], name="c", pads=[1, 1, 1, 1], strides=[2, 2]),
         helper.make_node("GlobalAveragePool", ["cc"], ["gap"], name="gap"),
