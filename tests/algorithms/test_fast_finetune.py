@@ -398,6 +398,19 @@ def test_block_reconstruction_is_deterministic_and_restores_a_diverged_block():
     assert torch.equal(qm.parameter("wa"), before["wa"]) and torch.equal(qm.parameter("wb"), before["wb"])
 
 
+def test_block_reconstruction_memory_levels_agree():
+    """Cached activations on the device, in host memory or on disk (MemOptLevel 0/1/2): the same bytes."""
+    data = calib_data(8)
+    out = []
+    for level in (0, 1, 2):
+        qm = _prepared("A8W8", residual_cnn(), data)
+        fast_finetune(qm, data, algorithm="adaround", num_iterations=20, progress=False, granularity="block",
+                      mem_opt_level=level)
+        assert [r.name for r in qm.finetune_report.layers] == ["stem", "a .. b", "c", "fc"]
+        out.append(qo.export(qm, None).SerializeToString())
+    assert out[0] == out[1] == out[2]
+
+
 def test_block_granularity_bad_value():
     with pytest.raises(qo.ConfigError, match="granularity"):
         fast_finetune(_prepared("A8W8"), calib_data(4), granularity="stage", progress=False)
