@@ -608,10 +608,12 @@ class FakeQuantize(nn.Module):
         v = x.to(torch.float32) / scale
         r = hook.hard(v) if (hook.hard_mode or not hook.training) else hook(v)
         cd = torch.float32 if fmt.bits <= 16 else torch.float64
-        t = r.to(cd) + zp.to(cd)
-        c = t.clamp(qmin, qmax)
-        c = torch.where(torch.isnan(c), torch.full_like(c, qmin), c)
-        return (c - zp.to(cd)).to(torch.float32) * scale
+        zpc = zp.to(cd)
+        c = (r.to(cd) + zpc).clamp(qmin, qmax)
+        # NaN -> qmin; no +-Inf is left after the clamp, so this is where(isnan(c), qmin, c) in one pass, and
+        # its gradient (grad where c is finite) is the same
+        c = torch.nan_to_num(c, nan=float(qmin))
+        return (c - zpc).to(torch.float32) * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Observe (when enabled) and fake-quantize (when enabled and calibrated) ``x``; any shape and float
