@@ -54,7 +54,8 @@ def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> d
     with profile(activities=acts) as prof:
         qo.fast_finetune(twin, calib, algorithm=algorithm, num_iterations=iterations, progress=False)
     rep = twin.finetune_report
-    its = max(1, sum(r.iterations for r in rep.layers))
+    fig = _finetune_figures(rep)
+    its = max(1, fig["iterations"])
     ka = prof.key_averages()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(path, "w") as f:
@@ -62,7 +63,7 @@ def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> d
         f.write(ka.table(sort_by=sort, row_limit=45))
     watch = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaStreamSynchronize",
              "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense", "aten::item", "aten::to")
-    out = {"layer_iterations": its, "loop_s": sum(r.loop_seconds for r in rep.layers)}
+    out = {"layer_iterations": its, "loop_s": fig["loop_s"]}
     for e in ka:
         if e.key in watch:
             out[f"{e.key}_per_iteration"] = e.count / its

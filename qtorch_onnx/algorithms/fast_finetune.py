@@ -27,6 +27,7 @@ turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -366,36 +367,24 @@ def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any], op_of
     ONNX op."""
     order = {n.name: i for i, n in enumerate(ex.q_nodes)}
     cuts = [order[c.name] for c in ex.cut_nodes()]
-    units: List[Tuple[Any, Any, Any]] = []
-    groups: Dict[int, List[Any]] = {}
-    for layer in targets:
+
+    def segment(layer) -> Optional[int]:
+        """The cut opening the stretch that holds ``layer``, when a cut also closes it (else None)."""
         p = order[nodes[layer.name].name]
         before = [c for c in cuts if c < p]
-        after = [c for c in cuts if c >= p]
-        seg = before[-1] if before and after else None  # a layer after the last cut (or before the first) trains alone
-        if seg is None:
-            units.append((layer, None, None))
-            continue
-        if seg not in groups:
-            groups[seg] = []
-            units.append(("group", seg, groups[seg]))
-        groups[seg].append(layer)
+        return before[-1] if before and cuts[-1] >= p else None
+
     out: List[Tuple[Any, Any, Any]] = []
-    for u in units:
-        if u[0] != "group":
-            out.append(u)
-            continue
-        _, seg, layers = u
-        if not 2 <= len(layers) <= MAX_BLOCK_LAYERS:
-            out += [(layer, None, None) for layer in layers]
-            continue
-        end = min(c for c in cuts if c > seg)
+    for seg, group in itertools.groupby(targets, key=segment):  # targets in graph order: a stretch's are adjacent
+        layers = list(group)
+        end = min(c for c in cuts if c > seg) if seg is not None else None
         # the closing cut is where the branches merge (before it, two activations were live): an Add / Sum is a
         # residual join, a Mul a gate, a Concat a merge of features
-        if op_of.get(ex.q_nodes[end].name) not in RESIDUAL_JOIN_OPS:
+        if (seg is None or not 2 <= len(layers) <= MAX_BLOCK_LAYERS
+                or op_of.get(ex.q_nodes[end].name) not in RESIDUAL_JOIN_OPS):
             out += [(layer, None, None) for layer in layers]
-            continue
-        out.append((layers, ex.q_nodes[seg], ex.q_nodes[seg + 1:end + 1]))
+        else:
+            out.append((layers, ex.q_nodes[seg], ex.q_nodes[seg + 1:end + 1]))
     return out
 
 

@@ -255,27 +255,36 @@ class StagedExecutor:
         target = self.f_env.get(node.name)
         return inputs, (self.spill.get(target[chunk]) if target is not None else None)
 
-    def layer_fn(self, node: fx.Node) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
-        """``fn(inputs) -> output`` running ``node`` of the quantized graph on given activation inputs, its
-        constant inputs (weights through their quantizers) recomputed each call, with autograd."""
-        interp = self._fn_interp()
-
-        def const_value(n: fx.Node, memo: Dict[fx.Node, Any]):
-            if n in memo:
-                return memo[n]
-            interp.env = {a: const_value(a, memo) for a in n.all_input_nodes}
+    def _const_value(self, n: fx.Node, memo: Dict[fx.Node, Any]) -> Any:
+        """The value of constant node ``n`` (a weight through its quantizer, say), recomputed with autograd on
+        the shared interpreter; ``memo`` holds the values computed during one call of a layer / block function."""
+        if n not in memo:
+            interp = self._fn_interp()
+            env = {a: self._const_value(a, memo) for a in n.all_input_nodes}
+            interp.env = env
             memo[n] = interp.run_node(n)
-            return memo[n]
+        return memo[n]
+
+    def _nodes_fn(self, run: Sequence[fx.Node]) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
+        """``fn(inputs) -> output of run[-1]``: the quantized graph's ``run`` nodes in order, the activations they
+        read from ``inputs`` or from earlier nodes of ``run``, their constants recomputed each call."""
+        interp = self._fn_interp()
 
         def fn(inputs: Dict[fx.Node, torch.Tensor]):
             memo: Dict[fx.Node, Any] = {}
-            env = {}
-            for a in node.all_input_nodes:
-                env[a] = inputs[a] if a in inputs else const_value(a, memo)
-            interp.env = env
-            return interp.run_node(node)
+            vals: Dict[fx.Node, Any] = dict(inputs)
+            for n in run:
+                env = {a: vals[a] if a in vals else self._const_value(a, memo) for a in n.all_input_nodes}
+                interp.env = env
+                vals[n] = interp.run_node(n)
+            return vals[run[-1]]
 
         return fn
+
+    def layer_fn(self, node: fx.Node) -> Callable[[Dict[fx.Node, torch.Tensor]], Any]:
+        """``fn(inputs) -> output`` running ``node`` of the quantized graph on given activation inputs, its
+        constant inputs (weights through their quantizers) recomputed each call, with autograd."""
+        return self._nodes_fn([node])
 
     # ------------------------------------------------------------------ blocks (BRECQ)
     def cut_nodes(self) -> List[fx.Node]:
@@ -304,25 +313,7 @@ class StagedExecutor:
         """``fn({start: x}) -> output of nodes[-1]``: the block ``nodes`` (consecutive, in graph order, reading no
         activation from before it but ``start``) of the quantized graph, its constant inputs (weights through
         their quantizers) recomputed each call, with autograd."""
-        interp = self._fn_interp()
-        run = [n for n in nodes if not self.const[n.name]]
-
-        def const_value(n: fx.Node, memo: Dict[fx.Node, Any]):
-            if n in memo:
-                return memo[n]
-            interp.env = {a: const_value(a, memo) for a in n.all_input_nodes}
-            memo[n] = interp.run_node(n)
-            return memo[n]
-
-        def fn(inputs: Dict[fx.Node, torch.Tensor]):
-            memo: Dict[fx.Node, Any] = {}
-            vals: Dict[fx.Node, Any] = {start: inputs[start]}
-            for n in run:
-                interp.env = {a: vals[a] if a in vals else const_value(a, memo) for a in n.all_input_nodes}
-                vals[n] = interp.run_node(n)
-            return vals[run[-1]]
-
-        return fn
+        return self._nodes_fn([n for n in nodes if not self.const[n.name]])
 
     def block_data(self, start: fx.Node, nodes: Sequence[fx.Node], with_float_inputs: bool) -> LayerData:
         """The cached quantized value of ``start`` (and its float one with ``with_float_inputs``) and the float

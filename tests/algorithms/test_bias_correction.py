@@ -165,13 +165,19 @@ def test_user_data_not_mutated_and_memory_levels_agree(tmp_path):
     assert (tmp_path / "l0" / "bias_correction.json").exists() and (tmp_path / "l0" / "bias_correction.png").exists()
 
 
-def test_samples_of_different_spatial_shapes():
-    """A detector's calibration images differ in size: the shift is averaged chunk by chunk, never stacked."""
+def _cnn_any_size():
+    """:func:`cnn` with free spatial input dimensions ("H", "W")."""
     model = cnn()
     for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
         if i >= 2:
             d.Clear()
             d.dim_param = "HW"[i - 2]
+    return model
+
+
+def test_samples_of_different_spatial_shapes():
+    """A detector's calibration images differ in size: the shift is averaged chunk by chunk, never stacked."""
+    model = _cnn_any_size()
     rng = np.random.default_rng(3)
     data = calib_data(4) + [{"input": rng.normal(0, 1, (1, 3, 20, 24)).astype(np.float32)} for _ in range(4)]
     qm = _prepared("A8W8", model, data)
@@ -185,11 +191,7 @@ def test_shift_measured_afterwards_on_every_sample_is_gone():
     mean sample, the layers being affine): every layer's input on every sample, captured from the corrected
     model, through the corrected layer and through the uncorrected layer with its float weight; what is left of
     the mean output shift is the INT32 rounding of the new bias. Samples of two spatial sizes."""
-    model = cnn()
-    for i, d in enumerate(model.graph.input[0].type.tensor_type.shape.dim):
-        if i >= 2:
-            d.Clear()
-            d.dim_param = "HW"[i - 2]
+    model = _cnn_any_size()
     rng = np.random.default_rng(5)
     # 12 small samples and 2 larger, brighter ones: chunks of different sizes and statistics must be weighted
     # by their samples and positions

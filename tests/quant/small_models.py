@@ -10,6 +10,18 @@ def _init(name, arr):
     return numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name)
 
 
+def _image_model(nodes, inits, name: str, output: str, opset: int) -> onnx.ModelProto:
+    """A checked model of ``nodes``: input ``"input"`` [N,3,16,16] float, output ``output`` [N,10], IR 8."""
+    graph = helper.make_graph(
+        nodes, name,
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["N", 10])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
 def cnn(opset: int = 17, seed: int = 0, batchnorm: bool = True) -> onnx.ModelProto:
     """input [N,3,16,16] -> Conv(8) -> BN -> Relu -> Conv(8) -> Add(skip) -> MaxPool -> Concat(with Conv 1x1)
     -> GlobalAveragePool -> Flatten -> Gemm(10) -> Softmax."""
@@ -41,14 +53,7 @@ def cnn(opset: int = 17, seed: int = 0, batchnorm: bool = True) -> onnx.ModelPro
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
         helper.make_node("Softmax", ["logits"], ["prob"], name="softmax", axis=1),
     ]
-    graph = helper.make_graph(
-        nodes, "small_cnn",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
-        [helper.make_tensor_value_info("prob", TensorProto.FLOAT, ["N", 10])], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 8
-    onnx.checker.check_model(m, full_check=True)
-    return m
+    return _image_model(nodes, inits, "small_cnn", "prob", opset)
 
 
 def calib_data(n: int = 8, seed: int = 1, batch: int = 1):
@@ -135,10 +140,4 @@ def residual_cnn(opset: int = 17, seed: int = 0, join: str = "Add") -> onnx.Mode
         helper.make_node("Flatten", ["gap"], ["flat"], name="flatten", axis=1),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
     ]
-    graph = helper.make_graph(nodes, "residual_cnn",
-                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 16, 16])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 8
-    onnx.checker.check_model(m, full_check=True)
-    return m
+    return _image_model(nodes, inits, "residual_cnn", "logits", opset)
