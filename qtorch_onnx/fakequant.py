@@ -705,6 +705,11 @@ class ParamQuantizer(nn.Module):
     def __init__(self, fq: FakeQuantize) -> None:
         super().__init__()
         self.fq = fq
+        #: a precomputed quantized value returned instead of ``fq(w)`` while set (fast finetune's hand-written
+        #: AdaRound step supplies the soft-rounded weight as an autograd leaf); None in normal use
+        self.override: Optional[torch.Tensor] = None
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.override is not None:
+            return self.override
         return self.fq(w)

@@ -39,7 +39,7 @@ import torch
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
-from .adaround import AdaRoundRounding, beta_schedule
+from .adaround import AdaRoundRounding, AdaRoundStep, beta_schedule
 from .reconstruction import QuadraticLayerLoss, StagedExecutor, float_twin, in_graph_order, sample_count
 from .reporting import save_before_after
 
@@ -222,7 +222,7 @@ def _output_quantizer(qm, node):
 
 
 def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[str] = None, progress: bool = True,
-                  report_dir: Optional[str] = None, quadratic_loss: bool = True,
+                  report_dir: Optional[str] = None, quadratic_loss: bool = True, manual_gradient: bool = True,
                   through_activation: Optional[bool] = None, granularity: Optional[str] = None,
                   **overrides):
     """Finetune ``qm``'s weights layer by layer (AdaRound or AdaQuant) on ``data``; returns ``qm`` (in place).
@@ -239,6 +239,14 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             on one cached input, no QDrop, no OutputQDQ) train from precomputed Gram matrices where that takes
             fewer multiply-adds (:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`); False:
             every iteration runs the layer forward and backward.
+        manual_gradient: AdaRound's iterations compute the soft-quantized weight and the gradient of the
+            rounding variables by the chain rule written out (:class:`~qtorch_onnx.algorithms.adaround.
+            AdaRoundStep`: the same function with about 20 elementwise passes over the weight instead of about
+            50, no autograd graph through the quantizer); the layer itself (forward path) still runs under
+            autograd. Applies to weights quantized through their module's parametrization with a fixed integer
+            scale of 2-16 bits and finite values (checked: the step's weight must equal the quantizer's);
+            others, and False, use autograd through the quantizer. The two differ in float rounding order
+            only.
         through_activation: a layer whose output goes only to a Relu / LeakyRelu / Gelu / Tanh / Clip /
             Sigmoid / Softmax (:data:`ACTIVATION_OPS`) is reconstructed on that activation's output (quantized
             layer output through the activation vs the float one), as Quark 0.13 does for both algorithms; not
@@ -314,14 +322,15 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             t_layer = time.perf_counter()
             if start is not None:  # a block: layer is the list of its layers
                 ex.advance_to(block_nodes[0])
-                rec = _optimize_block(qm, ex, layer, start, block_nodes, s, index, progress)
+                rec = _optimize_block(qm, ex, layer, start, block_nodes, s, index, progress, manual_gradient)
                 ex.finish_block(block_nodes)
             else:
                 node = nodes[layer.name]
                 ex.advance_to(node)
                 ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
                 act = _following_activation(op_of, node) if through and not s.output_qdq else None
-                rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act)
+                rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act,
+                                      manual_gradient)
                 ex.finish_layer(node)
                 del ld
             rec.seconds = time.perf_counter() - t_layer
@@ -389,7 +398,7 @@ def _blocks(ex: StagedExecutor, nodes: Dict[str, Any], targets: List[Any], op_of
 
 
 def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int, progress: bool,
-                    quadratic_loss: bool = True, act=None) -> LayerRecord:
+                    quadratic_loss: bool = True, act=None, manual_gradient: bool = True) -> LayerRecord:
     """Reconstruct one layer (its output, or the following activation's with ``act``) on its cached data."""
     fn = ex.layer_fn(node)
     if act is not None:  # reconstruct the following activation's output (ACTIVATION_OPS)
@@ -410,11 +419,12 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     def quad_for(fn, bs):
         return _quadratic_loss(qm, node, layer, ld, fn, s, bs, out_q) if quadratic_loss else None
 
-    return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for)
+    return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for,
+                        manual_gradient=manual_gradient)
 
 
-def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index: int, progress: bool
-                    ) -> LayerRecord:
+def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index: int, progress: bool,
+                    manual_gradient: bool = True) -> LayerRecord:
     """Reconstruct a block (BRECQ, Li et al. 2021): every layer of ``layers`` trained together on the output of
     the block's last node, from the cached quantized value of ``start`` (the block's one input)."""
     ld = ex.block_data(start, nodes, with_float_inputs=s.drop_ratio < 1.0)
@@ -423,15 +433,16 @@ def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index
     rec = LayerRecord(f"{layers[0].name} .. {layers[-1].name}", "block", "/".join(fmts), 0.0, 0.0, 0, 0.0,
                       note=f"block of {len(layers)} layers ({', '.join(l.name for l in layers)}), "
                            f"reconstructed on the output of {nodes[-1].name}")
-    return _reconstruct(list(layers), fn, ld, s, index, progress, rec, ex.device)
+    return _reconstruct(list(layers), fn, ld, s, index, progress, rec, ex.device, manual_gradient=manual_gradient)
 
 
 def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: bool, rec: LayerRecord,
-                 device: torch.device, out_q=None, quad_for=None) -> LayerRecord:
+                 device: torch.device, out_q=None, quad_for=None, manual_gradient: bool = True) -> LayerRecord:
     """The optimisation shared by layers and blocks: AdaRound (a rounding hook per layer, one regulariser sum)
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(fn, batch)``: a single layer's
-    :class:`QuadraticLayerLoss` (or None) and its note. Fills and returns ``rec``."""
+    :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: AdaRound by
+    :class:`AdaRoundStep` where every layer allows it (:func:`_adaround_steps`). Fills and returns ``rec``."""
     from tqdm.auto import tqdm
 
     loss_before = _loss_on_all(fn, ld, output_q=out_q)
@@ -476,6 +487,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         rec.note = (rec.note + "; " if rec.note else "") + \
             f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
     opt = _adam(params, lr)
+    steps = _adaround_steps(layers, hooks) if hooks and manual_gradient else None
     n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     bs = min(s.batch_size, n)
@@ -497,53 +509,71 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     window_sum = None
     nonfinite = None
     t_loop, c_loop = time.perf_counter(), time.thread_time()
-    for it in it_bar:
-        opt.zero_grad(set_to_none=True)
-        rec_value = None
-        for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
-            idx = torch.randint(0, n, (bs,), generator=gen)
-            if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
-                v = quad.backward(idx, 1.0 / s.num_batches)  # host indices: no device round trip
+    try:
+        for it in it_bar:
+            opt.zero_grad(set_to_none=True)
+            rec_value = None
+            wqs, g_quad = None, None
+            if steps is not None:  # the soft-quantized weights, by hand; the forward path sees them as leaves
+                wqs = [st.weight() for st, _ in steps]
+                if quad is None:
+                    for (_, pq), w in zip(steps, wqs):
+                        pq.override = w.requires_grad_()
+            for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
+                idx = torch.randint(0, n, (bs,), generator=gen)
+                if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
+                    if wqs is not None:
+                        gw, v = quad.gradient(idx, wqs[0], 1.0 / s.num_batches)  # host indices: no device round trip
+                        g_quad = gw if g_quad is None else g_quad.add_(gw)
+                    else:
+                        v = quad.backward(idx, 1.0 / s.num_batches)
+                    rec_value = v if rec_value is None else rec_value + v
+                    continue
+                idx = idx.to(device)
+                inputs = {}
+                for a, x in ld.q_inputs.items():
+                    xb = x.index_select(0, idx)
+                    if s.drop_ratio < 1.0:  # QDrop: the float input where the draw is above DropRatio
+                        keep = torch.rand(xb.shape, generator=gen).to(xb.device) < s.drop_ratio
+                        xb = torch.where(keep, xb, ld.f_inputs[a].index_select(0, idx))
+                    inputs[a] = xb
+                pred = fn(inputs)
+                if out_q is not None:
+                    pred = out_q(pred)
+                loss = _rec_loss(pred, ld.target.index_select(0, idx)) / s.num_batches
+                v = loss.detach().double()
                 rec_value = v if rec_value is None else rec_value + v
-                continue
-            idx = idx.to(device)
-            inputs = {}
-            for a, x in ld.q_inputs.items():
-                xb = x.index_select(0, idx)
-                if s.drop_ratio < 1.0:  # QDrop: the float input where the draw is above DropRatio
-                    keep = torch.rand(xb.shape, generator=gen).to(xb.device) < s.drop_ratio
-                    xb = torch.where(keep, xb, ld.f_inputs[a].index_select(0, idx))
-                inputs[a] = xb
-            pred = fn(inputs)
-            if out_q is not None:
-                pred = out_q(pred)
-            loss = _rec_loss(pred, ld.target.index_select(0, idx)) / s.num_batches
-            v = loss.detach().double()
-            rec_value = v if rec_value is None else rec_value + v
-            loss.backward()
-        bad = ~torch.isfinite(rec_value)
-        nonfinite = bad if nonfinite is None else nonfinite | bad
-        if (it + 1) % DIVERGENCE_CHECK == 0 and bool(nonfinite):
-            diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
-            break
-        if hooks and it >= warm:
-            beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
-            (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
-        opt.step()
-        if s.log_period and (it + 1) % s.log_period == 0:
-            it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
-        if s.early_stop and it >= warm:
-            window_sum = rec_value if window_sum is None else window_sum + rec_value
-            seen += 1
-            if seen == window:
-                if bool(nonfinite):  # a non-finite window mean is no progress: stop as diverged
-                    diverged = True
-                    break
-                mean, window_sum, seen = float(window_sum) / window, None, 0
-                if mean > best:
-                    rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
-                    break
-                best = mean
+                loss.backward()
+            bad = ~torch.isfinite(rec_value)
+            nonfinite = bad if nonfinite is None else nonfinite | bad
+            if (it + 1) % DIVERGENCE_CHECK == 0 and bool(nonfinite):
+                diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
+                break
+            beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
+            if steps is not None:
+                grads = [g_quad] if quad is not None else [w.grad for w in wqs]
+                for (st, _), w, g in zip(steps, wqs, grads):
+                    st.backward(g if g is not None else torch.zeros_like(w), beta, s.reg_param)
+            elif beta is not None:
+                (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
+            opt.step()
+            if s.log_period and (it + 1) % s.log_period == 0:
+                it_bar.set_postfix_str(f"loss {float(rec_value):.4g}")
+            if s.early_stop and it >= warm:
+                window_sum = rec_value if window_sum is None else window_sum + rec_value
+                seen += 1
+                if seen == window:
+                    if bool(nonfinite):  # a non-finite window mean is no progress: stop as diverged
+                        diverged = True
+                        break
+                    mean, window_sum, seen = float(window_sum) / window, None, 0
+                    if mean > best:
+                        rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
+                        break
+                    best = mean
+    finally:
+        for _, pq in steps or ():
+            pq.override = None
     if not diverged and nonfinite is not None and bool(nonfinite):
         diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
@@ -573,6 +603,33 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
+
+
+def _adaround_steps(layers, hooks) -> Optional[List[Tuple[AdaRoundStep, Any]]]:
+    """Per layer, its :class:`AdaRoundStep` and the ``ParamQuantizer`` that applies its weight quantizer (the
+    forward path overrides it with the step's weight), or None when any layer cannot take the step: weight
+    quantized outside its module's parametrization, a case :meth:`AdaRoundStep.unsupported` names, or a step
+    weight that differs from the quantizer's own soft-rounded weight (same function, checked on the values)."""
+    from ..fakequant import ParamQuantizer
+
+    out = []
+    for layer, hook in zip(layers, hooks):
+        fq, module = layer.weight_quantizer, layer.module
+        plists = getattr(module, "parametrizations", None)
+        pq = None
+        if isinstance(plists, torch.nn.ModuleDict):
+            for tname, plist in plists.items():
+                if plist.original is layer.weight and len(plist) == 1 and isinstance(plist[0], ParamQuantizer) \
+                        and plist[0].fq is fq:
+                    pq, attr = plist[0], tname
+        if pq is None or AdaRoundStep.unsupported(fq, hook, layer.weight) is not None:
+            return None
+        step = AdaRoundStep(fq, hook, layer.weight)
+        with torch.no_grad():
+            if not torch.equal(step.weight(), getattr(module, attr)):
+                return None
+        out.append((step, pq))
+    return out
 
 
 def _adam(params: List[torch.Tensor], lr: float) -> torch.optim.Optimizer:

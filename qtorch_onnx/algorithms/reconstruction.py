@@ -513,10 +513,11 @@ class QuadraticLayerLoss:
         return (total(self.H), total(self.G), sum(self._c[i] for i in ids),
                 total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
 
-    def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32):
+    def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32,
+                  weight: Optional[torch.Tensor] = None):
         m = self.module
         g, k, out = self.groups, self.k, self.out
-        wq = m.weight
+        wq = m.weight if weight is None else weight
         w = wq.detach().reshape(g, out // g, k).to(dtype)
         H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
         R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
@@ -540,6 +541,21 @@ class QuadraticLayerLoss:
         (computed in float64: the quadratic form cancels most of the constant ``c``)."""
         with torch.no_grad():
             return float(self._evaluate(idx, False, torch.float64)[4]) / (idx.numel() * self.denominator)
+
+    def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(d(factor * loss(idx))/d weight, factor * loss(idx))`` for a given quantized ``weight`` (float32,
+        the module's weight shape) without autograd: the gradient as a new float32 tensor of the weight's
+        shape, the loss as a 0-d float64 tensor on the layer's device. The bias is the module's (a constant:
+        not covered with ``train_bias``).
+
+        Raises:
+            ValueError: the loss was built with ``train_bias``."""
+        if self.train_bias:
+            raise ValueError("QuadraticLayerLoss.gradient: the bias is trained; use backward()")
+        _, R, _, _, sse = self._evaluate(idx, True, weight=weight)
+        f = factor / (idx.numel() * self.denominator)
+        return R.mul_(2.0 * f).reshape(weight.shape), sse * f
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight

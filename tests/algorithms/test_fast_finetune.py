@@ -429,3 +429,100 @@ def test_quark_block_recon_key_turns_blocks_on():
     qm = _prepared("A8W8", residual_cnn(), data)
     fast_finetune(qm, data, {"BlockRecon": True, "NumIterations": 20}, progress=False, granularity="layer")
     assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]
+
+
+@pytest.mark.parametrize("config,weight_type,per_channel,symmetric", [
+    ("A8W8", None, None, None),                       # INT8 per tensor
+    (None, "QInt8", True, True),                      # INT8 per channel
+    (None, "QUInt8", True, False),                    # UINT8 per channel, zero points != 0
+    (None, "QInt4", True, True),                      # INT4
+    (None, "QUInt4", False, False),
+])
+def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetric):
+    """AdaRoundStep (the chain rule written out) gives the quantizer's own soft-rounded weight and autograd's
+    gradient of loss + RegParam * regulariser, clamped elements and saturated rectifiers included."""
+    from qtorch_onnx.algorithms.adaround import AdaRoundStep
+
+    if config is None:
+        config = qo.Config(global_quant_config=qo.QuantizationConfig(
+            activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
+            per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
+    qm = _prepared(config)
+    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
+    for layer in qm.layers():
+        fq, w = layer.weight_quantizer, layer.weight
+        scale = fq.scale.detach()
+        if scale.dim() > 0:
+            shape = [1] * w.dim()
+            shape[fq.axis % w.dim()] = -1
+            scale = scale.reshape(shape)
+        with torch.no_grad():  # the first element just above the top integer: its rounding up is clamped
+            hi = qo.formats.integer.quant_range(fq.fmt, fq.narrow_range)[1]
+            zp = fq.zero_point.reshape(scale.shape).expand_as(w).reshape(-1)[0].float()
+            w.view(-1)[0] = (hi - zp + 0.3) * scale.expand_as(w).reshape(-1)[0]
+        hook = AdaRoundRounding(w.detach() / scale)
+        fq.set_rounding(hook)
+        hook.train()
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # spread alpha so that some rectifiers saturate and the top integers clamp
+            hook.alpha.add_(6.0 * torch.randn(hook.alpha.shape, generator=gen))
+            hook.alpha.view(-1)[0] = 10.0
+        step = AdaRoundStep(fq, hook, w)
+        c = torch.zeros(0)
+        if step.edge is not None:  # elements that can leave the integer range: the channel's largest magnitudes
+            c = step.floor.reshape(-1)[step.edge] + (step.zp.expand_as(w).reshape(-1)[step.edge]
+                                                    if step.zp is not None else 0) + hook.h().reshape(-1)[step.edge]
+            clamped = int(((c < step.lo) | (c > step.hi)).sum())
+        assert clamped > 0
+        upstream = torch.randn(w.shape, generator=gen)
+        for beta in (None, 2.0, 13.25):
+            wq = getattr(layer.module, "weight")
+            hook.alpha.requires_grad_(True)
+            hook.alpha.grad = None
+            loss = (wq * upstream).sum()
+            if beta is not None:
+                loss = loss + 0.01 * hook.regularizer(beta)
+            loss.backward()
+            ref = hook.alpha.grad.clone()
+            hook.alpha.grad = None
+            with torch.no_grad():
+                assert torch.equal(step.weight(), wq.detach())
+            step.backward(upstream.clone(), beta, 0.01)
+            torch.testing.assert_close(hook.alpha.grad, ref, rtol=1e-5, atol=1e-7)
+            assert (ref == 0).any() and (ref != 0).any()
+        with pytest.raises(RuntimeError, match="before weight"):
+            step.backward(upstream.clone())
+
+
+def test_adaround_manual_gradient_matches_autograd_training():
+    """fast_finetune's AdaRound trains the same with the hand-written step as with autograd (both paths: the
+    Gram-matrix layers and the forward-path ones), uses it on every layer of the model, and exports
+    bit-exactly."""
+    from qtorch_onnx.algorithms.adaround import AdaRoundStep
+
+    calls = {"n": 0}
+    orig = AdaRoundStep.backward
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return orig(self, *a, **k)
+
+    reps = {}
+    for manual in (False, True):
+        for quadratic in (False, True):
+            qm = _prepared("A8W8")
+            AdaRoundStep.backward = counted
+            try:
+                fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=200, batch_size=2,
+                              progress=False, quadratic_loss=quadratic, manual_gradient=manual)
+            finally:
+                AdaRoundStep.backward = orig
+            reps[manual, quadratic] = qm.finetune_report.layers
+            if manual and quadratic:
+                _bit_exact(qm, calib_data(3, seed=9))
+        assert calls["n"] == (1600 if manual else 0)  # 4 layers x 200 iterations, both loss paths
+        calls["n"] = 0
+    for quadratic in (False, True):
+        for a, b in zip(reps[False, quadratic], reps[True, quadratic]):
+            assert b.loss_after < b.loss_before
+            assert abs(b.loss_after - a.loss_after) <= 0.1 * a.loss_before, (a, b)
