@@ -9,7 +9,7 @@ hard (eval mode or ``hard_mode``); export writes the hard result.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -159,6 +159,14 @@ class AdaRoundStep:
         if self.zp is not None:
             cc = cc - self.zp
         return cc * self.scale
+
+    def values(self) -> List[torch.Tensor]:
+        """``[wq]``: :meth:`weight` as fast finetune's loop takes the quantized tensors of a step."""
+        return [self.weight()]
+
+    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0) -> None:
+        """:meth:`backward` with ``grads = [dL/dwq]``."""
+        self.backward(grads[0], beta, reg_param)
 
     @torch.no_grad()
     def backward(self, grad_wq: torch.Tensor, beta: Optional[float] = None, reg_param: float = 0.0) -> None:

@@ -39,6 +39,7 @@ import torch
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
+from .adaquant import AdaQuantStep
 from .adaround import AdaRoundRounding, AdaRoundStep, beta_schedule
 from .reconstruction import QuadraticLayerLoss, StagedExecutor, float_twin, in_graph_order, sample_count
 from .reporting import save_before_after
@@ -239,14 +240,15 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             on one cached input, no QDrop, no OutputQDQ) train from precomputed Gram matrices where that takes
             fewer multiply-adds (:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`); False:
             every iteration runs the layer forward and backward.
-        manual_gradient: AdaRound's iterations compute the soft-quantized weight and the gradient of the
-            rounding variables by the chain rule written out (:class:`~qtorch_onnx.algorithms.adaround.
-            AdaRoundStep`: the same function with about 20 elementwise passes over the weight instead of about
-            50, no autograd graph through the quantizer); the layer itself (forward path) still runs under
-            autograd. Applies to weights quantized through their module's parametrization with a fixed integer
-            scale of 2-16 bits and finite values (checked: the step's weight must equal the quantizer's);
-            others, and False, use autograd through the quantizer. The two differ in float rounding order
-            only.
+        manual_gradient: the iterations quantize the trained tensors and pass their gradients back by the
+            chain rule written out instead of autograd through the quantizers: AdaRound
+            (:class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep`: soft rounding and regulariser, about 20
+            elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
+            biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator). The
+            layer itself (forward path) still runs under autograd, on the step's values as leaves. Applies where
+            every trained tensor is quantized through its module's parametrization with a fixed integer scale
+            (2-16 bits) and the step's values equal the quantizer's (checked); other layers, and False, use
+            autograd through the quantizers. The two differ in float rounding order only.
         through_activation: a layer whose output goes only to a Relu / LeakyRelu / Gelu / Tanh / Clip /
             Sigmoid / Softmax (:data:`ACTIVATION_OPS`) is reconstructed on that activation's output (quantized
             layer output through the activation vs the float one), as Quark 0.13 does for both algorithms; not
@@ -442,7 +444,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(fn, batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: AdaRound by
-    :class:`AdaRoundStep` where every layer allows it (:func:`_adaround_steps`). Fills and returns ``rec``."""
+    :class:`AdaRoundStep` / :class:`AdaQuantStep` where every layer allows it (:func:`_manual_steps`). Fills and
+    returns ``rec``."""
     from tqdm.auto import tqdm
 
     loss_before = _loss_on_all(fn, ld, output_q=out_q)
@@ -487,7 +490,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         rec.note = (rec.note + "; " if rec.note else "") + \
             f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
     opt = _adam(params, lr)
-    steps = _adaround_steps(layers, hooks) if hooks and manual_gradient else None
+    steps = _manual_steps(layers, hooks, s) if manual_gradient else None
     n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     bs = min(s.batch_size, n)
@@ -513,18 +516,21 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         for it in it_bar:
             opt.zero_grad(set_to_none=True)
             rec_value = None
-            wqs, g_quad = None, None
-            if steps is not None:  # the soft-quantized weights, by hand; the forward path sees them as leaves
-                wqs = [st.weight() for st, _ in steps]
+            vals, g_quad = None, None
+            if steps is not None:  # the quantized tensors, by hand; the forward path sees them as autograd leaves
+                vals = [st.values() for st, _ in steps]
                 if quad is None:
-                    for (_, pq), w in zip(steps, wqs):
-                        pq.override = w.requires_grad_()
+                    for (_, pqs), vs in zip(steps, vals):
+                        for pq, v in zip(pqs, vs):
+                            pq.override = v.requires_grad_()
             for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
                 idx = torch.randint(0, n, (bs,), generator=gen)
                 if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
-                    if wqs is not None:
-                        gw, v = quad.gradient(idx, wqs[0], 1.0 / s.num_batches)  # host indices: no device round trip
-                        g_quad = gw if g_quad is None else g_quad.add_(gw)
+                    if vals is not None:  # host indices: no device round trip
+                        gw, gb, v = quad.gradient(idx, vals[0][0], 1.0 / s.num_batches,
+                                                  bias=vals[0][1] if len(vals[0]) > 1 else None)
+                        g_quad = [gw, gb] if g_quad is None else \
+                            [g_quad[0].add_(gw), None if gb is None else g_quad[1].add_(gb)]
                     else:
                         v = quad.backward(idx, 1.0 / s.num_batches)
                     rec_value = v if rec_value is None else rec_value + v
@@ -551,9 +557,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 break
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
             if steps is not None:
-                grads = [g_quad] if quad is not None else [w.grad for w in wqs]
-                for (st, _), w, g in zip(steps, wqs, grads):
-                    st.backward(g if g is not None else torch.zeros_like(w), beta, s.reg_param)
+                grads = [g_quad] if quad is not None else [[v.grad for v in vs] for vs in vals]
+                for (st, _), vs, gs in zip(steps, vals, grads):
+                    st.set_grads([g if g is not None else torch.zeros_like(v) for v, g in zip(vs, gs)], beta, s.reg_param)
             elif beta is not None:
                 (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
             opt.step()
@@ -572,8 +578,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         break
                     best = mean
     finally:
-        for _, pq in steps or ():
-            pq.override = None
+        for _, pqs in steps or ():
+            for pq in pqs:
+                pq.override = None
     if not diverged and nonfinite is not None and bool(nonfinite):
         diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
@@ -605,30 +612,49 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     return rec
 
 
-def _adaround_steps(layers, hooks) -> Optional[List[Tuple[AdaRoundStep, Any]]]:
-    """Per layer, its :class:`AdaRoundStep` and the ``ParamQuantizer`` that applies its weight quantizer (the
-    forward path overrides it with the step's weight), or None when any layer cannot take the step: weight
-    quantized outside its module's parametrization, a case :meth:`AdaRoundStep.unsupported` names, or a step
-    weight that differs from the quantizer's own soft-rounded weight (same function, checked on the values)."""
+def _param_quantizer(module, param, fq):
+    """``(ParamQuantizer, attribute)`` through which ``module`` reads ``param`` quantized by ``fq`` (its only
+    parametrization), or None."""
     from ..fakequant import ParamQuantizer
 
+    plists = getattr(module, "parametrizations", None)
+    if fq is None or param is None or not isinstance(plists, torch.nn.ModuleDict):
+        return None
+    for attr, plist in plists.items():
+        if plist.original is param and len(plist) == 1 and isinstance(plist[0], ParamQuantizer) \
+                and plist[0].fq is fq:
+            return plist[0], attr
+    return None
+
+
+def _manual_steps(layers, hooks, s: FastFinetuneSettings):
+    """Per layer, its written-out step (:class:`AdaRoundStep` with ``hooks``, else :class:`AdaQuantStep`) and
+    the ``ParamQuantizer`` of each tensor the step quantizes (the forward path overrides them with the step's
+    values), or None when any layer cannot take one: a tensor quantized outside its module's parametrization,
+    a case the step's ``unsupported`` names, or a step value that differs from the quantizer's own (the same
+    function: checked on the values)."""
     out = []
-    for layer, hook in zip(layers, hooks):
-        fq, module = layer.weight_quantizer, layer.module
-        plists = getattr(module, "parametrizations", None)
-        pq = None
-        if isinstance(plists, torch.nn.ModuleDict):
-            for tname, plist in plists.items():
-                if plist.original is layer.weight and len(plist) == 1 and isinstance(plist[0], ParamQuantizer) \
-                        and plist[0].fq is fq:
-                    pq, attr = plist[0], tname
-        if pq is None or AdaRoundStep.unsupported(fq, hook, layer.weight) is not None:
-            return None
-        step = AdaRoundStep(fq, hook, layer.weight)
-        with torch.no_grad():
-            if not torch.equal(step.weight(), getattr(module, attr)):
+    for i, layer in enumerate(layers):
+        module = layer.module
+        found = [_param_quantizer(module, layer.weight, layer.weight_quantizer)]
+        if hooks:
+            if AdaRoundStep.unsupported(layer.weight_quantizer, hooks[i], layer.weight) is not None:
                 return None
-        out.append((step, pq))
+            step = AdaRoundStep(layer.weight_quantizer, hooks[i], layer.weight)
+        else:
+            bias = layer.bias if s.update_bias and layer.bias is not None else None
+            fq_b = layer.bias_quantizer if bias is not None else None
+            if bias is not None:
+                found.append(_param_quantizer(module, bias, fq_b))
+            if AdaQuantStep.unsupported(layer.weight_quantizer, layer.weight, fq_b, bias) is not None:
+                return None
+            step = AdaQuantStep(layer.weight_quantizer, layer.weight, fq_b, bias)
+        if any(f is None for f in found):
+            return None
+        with torch.no_grad():
+            if not all(torch.equal(v, getattr(module, attr)) for v, (_, attr) in zip(step.values(), found)):
+                return None
+        out.append((step, [pq for pq, _ in found]))
     return out
 
 

@@ -516,7 +516,7 @@ class QuadraticLayerLoss:
                 total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
 
     def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32,
-                  weight: Optional[torch.Tensor] = None):
+                  weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
         m = self.module
         g, k, out = self.groups, self.k, self.out
         wq = m.weight if weight is None else weight
@@ -529,7 +529,7 @@ class QuadraticLayerLoss:
         nl = idx.numel() * self.length
         bq, gb = None, None
         if self.train_bias:
-            bq = m.bias
+            bq = m.bias if bias is None else bias
             b = bq.detach().reshape(out).to(dtype) - self.b0.to(dtype)  # db
             ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # dw_o . s
             sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
@@ -544,20 +544,23 @@ class QuadraticLayerLoss:
         with torch.no_grad():
             return float(self._evaluate(idx, False, torch.float64)[4]) / (idx.numel() * self.denominator)
 
-    def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(d(factor * loss(idx))/d weight, factor * loss(idx))`` for a given quantized ``weight`` (float32,
-        the module's weight shape) without autograd: the gradient as a new float32 tensor of the weight's
-        shape, the loss as a 0-d float64 tensor on the layer's device. The bias is the module's (a constant:
-        not covered with ``train_bias``).
+    def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0,
+                 bias: Optional[torch.Tensor] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """``(dl/d weight, dl/d bias, l)`` with ``l = factor * loss(idx)`` for a given quantized ``weight``
+        (float32, the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``), without
+        autograd: the gradients as new float32 tensors of the weight's / bias's shape (None for an untrained
+        bias), the loss as a 0-d float64 tensor on the layer's device.
 
         Raises:
-            ValueError: the loss was built with ``train_bias``."""
-        if self.train_bias:
-            raise ValueError("QuadraticLayerLoss.gradient: the bias is trained; use backward()")
-        _, R, _, _, sse = self._evaluate(idx, True, weight=weight)
+            ValueError: ``bias`` missing with ``train_bias`` (or given without)."""
+        if self.train_bias != (bias is not None):
+            raise ValueError(f"QuadraticLayerLoss.gradient: train_bias={self.train_bias} needs "
+                             f"{'a' if self.train_bias else 'no'} bias")
+        _, R, _, gb, sse = self._evaluate(idx, True, weight=weight, bias=bias)
         f = factor / (idx.numel() * self.denominator)
-        return R.mul_(2.0 * f).reshape(weight.shape), sse * f
+        return (R.mul_(2.0 * f).reshape(weight.shape), None if gb is None else gb.mul_(f).reshape(bias.shape),
+                sse * f)
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight

@@ -494,35 +494,82 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             step.backward(upstream.clone())
 
 
-def test_adaround_manual_gradient_matches_autograd_training():
-    """fast_finetune's AdaRound trains the same with the hand-written step as with autograd (both paths: the
-    Gram-matrix layers and the forward-path ones), uses it on every layer of the model, and exports
-    bit-exactly."""
-    from qtorch_onnx.algorithms.adaround import AdaRoundStep
+@pytest.mark.parametrize("config,weight_type,per_channel,symmetric", [
+    ("A8W8", None, None, None),
+    (None, "QUInt8", True, False),                    # zero points != 0
+    (None, "QInt4", True, True),
+])
+def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetric):
+    """AdaQuantStep gives the quantizers' own weight and INT32 bias bits and autograd's straight-through
+    gradients, saturated weights included."""
+    from qtorch_onnx.algorithms.adaquant import AdaQuantStep
 
+    if config is None:
+        config = qo.Config(global_quant_config=qo.QuantizationConfig(
+            activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
+            per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
+    qm = _prepared(config)
+    qo.disable_observer(qm)
+    gen = torch.Generator().manual_seed(5)
+    for layer in qm.layers():
+        fq_w, fq_b, w, b = layer.weight_quantizer, layer.bias_quantizer, layer.weight, layer.bias
+        assert b is not None and fq_b.fmt.bits == 32
+        with torch.no_grad():  # push some weights past the range: their gradient is 0
+            w.view(-1)[:3] = torch.tensor([3.0, -3.0, 5.0]) * w.abs().max()
+        step = AdaQuantStep(fq_w, w, fq_b, b)
+        upstream_w, upstream_b = torch.randn(w.shape, generator=gen), torch.randn(b.shape, generator=gen)
+        w.requires_grad_(True)
+        b.requires_grad_(True)
+        w.grad = b.grad = None
+        wq, bq = getattr(layer.module, "weight"), getattr(layer.module, "bias")
+        ((wq * upstream_w).sum() + (bq * upstream_b).sum()).backward()
+        ref_w, ref_b = w.grad.clone(), b.grad.clone()
+        assert (ref_w == 0).any()
+        w.grad = b.grad = None
+        vals = step.values()
+        assert torch.equal(vals[0].view(torch.int32), wq.detach().view(torch.int32))
+        assert torch.equal(vals[1].view(torch.int32), bq.detach().view(torch.int32))
+        step.set_grads([upstream_w.clone(), upstream_b.clone()])
+        assert torch.equal(w.grad, ref_w) and torch.equal(b.grad, ref_b)
+        w.requires_grad_(False)
+        b.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="before values"):
+            step.set_grads([upstream_w, upstream_b])
+
+
+@pytest.mark.parametrize("algorithm,kw,step_name", [
+    ("adaround", {}, "AdaRoundStep"),
+    ("adaquant", dict(update_bias=True, learning_rate=1e-5), "AdaQuantStep"),
+])
+def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, step_name):
+    """fast_finetune trains the same with the written-out steps as with autograd through the quantizers (both
+    loss paths: the Gram-matrix layers and the forward-path ones), uses them on every layer of the model, and
+    exports bit-exactly."""
+    import importlib
+
+    cls = getattr(importlib.import_module(f"qtorch_onnx.algorithms.{algorithm}"), step_name)
     calls = {"n": 0}
-    orig = AdaRoundStep.backward
+    orig = cls.set_grads
 
     def counted(self, *a, **k):
         calls["n"] += 1
         return orig(self, *a, **k)
 
+    monkeypatch.setattr(cls, "set_grads", counted)
     reps = {}
     for manual in (False, True):
         for quadratic in (False, True):
             qm = _prepared("A8W8")
-            AdaRoundStep.backward = counted
-            try:
-                fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=200, batch_size=2,
-                              progress=False, quadratic_loss=quadratic, manual_gradient=manual)
-            finally:
-                AdaRoundStep.backward = orig
+            fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=200, batch_size=2,
+                          progress=False, quadratic_loss=quadratic, manual_gradient=manual, **kw)
             reps[manual, quadratic] = qm.finetune_report.layers
             if manual and quadratic:
                 _bit_exact(qm, calib_data(3, seed=9))
         assert calls["n"] == (1600 if manual else 0)  # 4 layers x 200 iterations, both loss paths
         calls["n"] = 0
     for quadratic in (False, True):
-        for a, b in zip(reps[False, quadratic], reps[True, quadratic]):
-            assert b.loss_after < b.loss_before
+        recs = reps[True, quadratic]
+        assert sum(r.loss_after for r in recs) < sum(r.loss_before for r in recs)
+        for a, b in zip(reps[False, quadratic], recs):
+            assert b.loss_after < b.loss_before or algorithm == "adaquant"  # AdaQuant without SelectiveUpdate
             assert abs(b.loss_after - a.loss_after) <= 0.1 * a.loss_before, (a, b)

@@ -1,0 +1,107 @@
+"""AdaQuant's iteration without autograd through the quantizers (Hubara et al. 2021, "Accurate Post Training
+Quantization With Small Calibration Sets", arXiv 2006.10518): the integer fake-quantized weight (and INT32 bias)
+with their straight-through gradients, for fast finetune's loop (:mod:`qtorch_onnx.algorithms.fast_finetune`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..formats import integer as _integer
+
+__all__ = ["AdaQuantStep"]
+
+
+class AdaQuantStep:
+    """One layer's AdaQuant quantization and straight-through gradient, written out.
+
+    Weight (integer, 2-16 bits, fixed per-tensor / per-channel scale ``s`` and zero point ``zp``; the same
+    float32 operations in the same order as the quantizer's fused path, ``formats.integer._fake_quantize_fused``,
+    docs/numerics.md section 1)::
+
+        v = round_half_even(w / s) + zp;  wq = (nan_to_num(clamp(v, qmin, qmax), qmin) - zp) * s
+        dL/dw = dL/dwq * [clamp(v) == v]                    (docs/numerics.md section 8)
+
+    Bias (when trained; INT32 with the scale ``s_x s_w``, fixed while the weight observer is off): the
+    quantizer's own ``quantize_bias`` / ``dequantize``, gradient ``dL/dbq`` where the integer is inside the
+    INT32 range. The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor
+    (a boolean comparison or multiply costs 4-8 float passes on a CPU). A non-finite weight gets gradient 0
+    here where the quantizer's STE passes 1: such a layer has diverged and fast finetune restores it.
+
+    Args:
+        fq_w: the weight's integer ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).
+        fq_b / bias: the bias quantizer and parameter when the bias is trained, else None.
+
+    Raises:
+        ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
+    """
+
+    def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
+        why = self.unsupported(fq_w, weight, fq_b, bias)
+        if why is not None:
+            raise ValueError(f"AdaQuantStep: {why}")
+        scale, zp = fq_w.scale.detach(), fq_w.zero_point.detach()
+        if scale.dim() > 0:
+            shape = [1] * weight.dim()
+            shape[fq_w.axis % weight.dim()] = scale.numel()
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        self.weight, self.bias = weight, bias
+        self.scale = scale.clone()
+        self.zp = zp.to(torch.float32)  # added even when 0: round() gives -0.0, and -0.0 + 0 is the +0.0 it stores
+        lo, hi = _integer.quant_range(fq_w.fmt, fq_w.narrow_range)
+        self.lo, self.hi = float(lo), float(hi)
+        if bias is not None:
+            self.bias_scale = fq_b.scale.detach().clone()
+            self.bias_axis = fq_b.axis if fq_b.scale.dim() > 0 else None
+            self.bias_range = _integer.quant_range(fq_b.fmt)
+        self._saved: Optional[List[Optional[torch.Tensor]]] = None
+
+    @staticmethod
+    def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
+        """Why this layer cannot take the written-out step (a short reason), or None when it can."""
+        if fq_w is None or not fq_w.fmt.family.integer_grid or getattr(fq_w.fmt, "bits", 32) > 16:
+            return f"weight format {getattr(getattr(fq_w, 'fmt', None), 'name', None)} (the step covers integer " \
+                   "weights of 2-16 bits)"
+        if fq_w.learnable or fq_w.rounding is not None or fq_w.observer_enabled:
+            return "weight quantizer with a learnable scale, a rounding hook or a live observer"
+        if fq_w.zero_point.is_floating_point():
+            return "floating-point zero point"
+        if bias is not None:
+            if fq_b is None or fq_b.role != "bias" or getattr(fq_b.fmt, "bits", 0) != 32 or fq_b.learnable:
+                return "bias quantizer other than INT32 (scale s_x s_w)"
+        return None
+
+    @torch.no_grad()
+    def values(self) -> List[torch.Tensor]:
+        """``[wq]`` or ``[wq, bq]``: the quantized weight (float32, the weight's shape) and bias for the current
+        parameters; keeps the gradient masks for :meth:`set_grads`."""
+        v = torch.div(self.weight.detach().to(torch.float32), self.scale)
+        torch.round(v, out=v)
+        v.add_(self.zp)
+        c = v.clamp(self.lo, self.hi)
+        outside = v.sub_(c).abs_().sign_()  # 1 where saturated, 0 inside (v's buffer reused)
+        torch.nan_to_num(c, nan=self.lo, out=c)
+        c.sub_(self.zp)
+        out = [c.mul_(self.scale)]
+        saved: List[Optional[torch.Tensor]] = [outside, None]
+        if self.bias is not None:
+            q = _integer.quantize_bias(self.bias.detach(), self.bias_scale)
+            out.append(_integer.dequantize(q, self.bias_scale, None, axis=self.bias_axis))
+            lo, hi = self.bias_range
+            saved[1] = (q > lo) & (q < hi)
+        self._saved = saved
+        return out
+
+    @torch.no_grad()
+    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0) -> None:
+        """Set ``weight.grad`` (and ``bias.grad``) from ``grads = [dL/dwq (, dL/dbq)]`` for the values of the
+        last :meth:`values` call (``beta`` / ``reg_param``: unused, AdaQuant has no regulariser)."""
+        if self._saved is None:
+            raise RuntimeError("AdaQuantStep.set_grads before values()")
+        outside, bias_mask = self._saved
+        gw = grads[0]
+        self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0).reshape(self.weight.shape)
+        if self.bias is not None:
+            self.bias.grad = (grads[1] * bias_mask).reshape(self.bias.shape)
+        self._saved = None
