@@ -7,7 +7,9 @@ CPU emulation, quantizer by quantizer.
     python benchmarks/gpu_e2e.py --model efficientnet-lite0 --configs A8W8 --ft-iterations 50 --ft-cpu-baseline
 
 With ``--ft-cpu-baseline`` the fast finetune also runs on a CPU copy of the model (same data, iterations and
-seed), and ``fast_finetune_loop_speedup_vs_cpu`` is the ratio of the two iteration loops' wall times.
+seed), and ``fast_finetune_loop_speedup_vs_cpu`` is the ratio of the two iteration loops' wall times; on the
+device it also runs with the cached activations kept on the device (``fast_finetune_mem_opt_level_0``) and with
+autograd through the quantizers (``fast_finetune_autograd``, :data:`FT_VARIANTS`).
 
 Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity) and
 prints one line per check; exits 1 if any check failed.
@@ -29,6 +31,10 @@ def _device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     return platform.processor() or platform.machine()
+
+
+#: fast finetune variants timed with --ft-cpu-baseline besides the default (MemOptLevel 1, written-out steps)
+FT_VARIANTS = (("mem_opt_level_0", {"mem_opt_level": 0}), ("autograd", {"manual_gradient": False}))
 
 
 def _finetune_figures(report) -> dict:
@@ -75,7 +81,7 @@ def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> d
 
 
 def run_config(model_path, config: str, calib, device: str, steps: int, ft_iterations: int = 20,
-               ft_cpu_baseline: bool = False, ft_profile: str = "") -> dict:
+               ft_cpu_baseline: bool = False, ft_profile: str = "", ft_algorithm: str = "auto") -> dict:
     import numpy as np
     import torch
 
@@ -141,10 +147,16 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     rec["sensitivity_sweep_fraction"] = frac
     rec["checks"]["sensitivity_sweep_equals_full_passes"] = bool(same)
     # fast finetune on the device; on CUDA the same finetune on a CPU copy too (all its cores), for the ratio
-    algo = "adaround" if config in ("A8W8", "A16W8") else "adaquant"
+    algo = ft_algorithm if ft_algorithm != "auto" else ("adaround" if config in ("A8W8", "A16W8") else "adaquant")
     if ft_profile:  # before the finetune below, on a copy: where a layer-iteration's time goes
         rec["fast_finetune_profile"] = profile_finetune(qm, calib, algo, 10, f"{ft_profile}_{config}.txt")
     cpu_twin = copy.deepcopy(qm).to("cpu") if device.startswith("cuda") and ft_cpu_baseline else None
+    if ft_cpu_baseline:  # the same finetune on the device with cached activations kept there (MemOptLevel 0)
+        for name, kw in FT_VARIANTS:  # and with autograd through the quantizers (before the written-out steps)
+            twin = copy.deepcopy(qm)
+            qo.fast_finetune(twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False, **kw)
+            rec[f"fast_finetune_{name}"] = _finetune_figures(twin.finetune_report)
+            del twin
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
     rec["fast_finetune_s"] = time.perf_counter() - t
@@ -203,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="out/gpu_e2e")
     ap.add_argument("--ft-iterations", type=int, default=20, help="fast finetune iterations per layer")
+    ap.add_argument("--ft-algorithm", choices=("auto", "adaround", "adaquant"), default="auto",
+                    help="fast finetune algorithm (auto: AdaRound for A8W8 / A16W8, AdaQuant otherwise)")
     ap.add_argument("--ft-profile", default="",
                     help="also profile 10 fast finetune iterations (torch.profiler) into PREFIX_<config>.txt")
     ap.add_argument("--ft-cpu-baseline", action="store_true",
@@ -236,7 +250,7 @@ def main(argv=None) -> int:
     for config in args.configs:
         try:
             rec = run_config(model_path, config, calib, args.device, args.steps, args.ft_iterations,
-                                 args.ft_cpu_baseline, args.ft_profile)
+                                 args.ft_cpu_baseline, args.ft_profile, args.ft_algorithm)
         except Exception as exc:  # report and go on with the next config
             rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["results"].append(rec)

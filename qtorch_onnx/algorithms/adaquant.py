@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from ..formats import integer as _integer
+from .adaround import _fixed_qparams
 
 __all__ = ["AdaQuantStep"]
 
@@ -16,7 +17,8 @@ __all__ = ["AdaQuantStep"]
 class AdaQuantStep:
     """One layer's AdaQuant quantization and straight-through gradient, written out.
 
-    Weight (integer, 2-16 bits, fixed per-tensor / per-channel scale ``s`` and zero point ``zp``; the same
+    Weight (integer, 2-16 bits, per-tensor / per-channel scale ``s`` and zero point ``zp`` held fixed, learnable
+    ones as the forward sees them; the same
     float32 operations in the same order as the quantizer's fused path, ``formats.integer._fake_quantize_fused``,
     docs/numerics.md section 1)::
 
@@ -41,7 +43,7 @@ class AdaQuantStep:
         why = self.unsupported(fq_w, weight, fq_b, bias)
         if why is not None:
             raise ValueError(f"AdaQuantStep: {why}")
-        scale, zp = fq_w.scale.detach(), fq_w.zero_point.detach()
+        scale, zp = _fixed_qparams(fq_w)
         if scale.dim() > 0:
             shape = [1] * weight.dim()
             shape[fq_w.axis % weight.dim()] = scale.numel()
@@ -63,10 +65,8 @@ class AdaQuantStep:
         if fq_w is None or not fq_w.fmt.family.integer_grid or getattr(fq_w.fmt, "bits", 32) > 16:
             return f"weight format {getattr(getattr(fq_w, 'fmt', None), 'name', None)} (the step covers integer " \
                    "weights of 2-16 bits)"
-        if fq_w.learnable or fq_w.rounding is not None or fq_w.observer_enabled:
-            return "weight quantizer with a learnable scale, a rounding hook or a live observer"
-        if fq_w.zero_point.is_floating_point():
-            return "floating-point zero point"
+        if fq_w.rounding is not None or (fq_w.observer_enabled and fq_w.tracks_value and not fq_w.learnable):
+            return "weight quantizer with a rounding hook or a scale that follows the weight"
         if bias is not None:
             if fq_b is None or fq_b.role != "bias" or getattr(fq_b.fmt, "bits", 0) != 32 or fq_b.learnable:
                 return "bias quantizer other than INT32 (scale s_x s_w)"

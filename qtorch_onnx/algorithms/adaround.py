@@ -108,7 +108,7 @@ class AdaRoundStep:
         from ..formats.integer import quant_range
 
         w = weight.detach().to(torch.float32)
-        scale, zp = fq.scale.detach(), fq.zero_point.detach()
+        scale, zp = _fixed_qparams(fq)
         if scale.dim() > 0:  # per channel: broadcast along the quantizer's axis (as the hooked path does)
             shape = [1] * w.dim()
             shape[fq.axis % w.dim()] = scale.numel()
@@ -132,12 +132,8 @@ class AdaRoundStep:
         """Why this weight cannot take the hand-written step (a short reason), or None when it can."""
         if not isinstance(hook, AdaRoundRounding):
             return f"rounding hook {type(hook).__name__} is not AdaRoundRounding"
-        if fq.learnable:
-            return "learnable scale (the step keeps the scale fixed)"
         if not fq.fmt.family.integer_grid or getattr(fq.fmt, "bits", 32) > 16:
             return f"weight format {fq.fmt.name} (the step covers integer weights of 2-16 bits)"
-        if fq.zero_point.is_floating_point():
-            return "floating-point zero point"
         if not bool(torch.isfinite(weight.detach()).all()):
             return "non-finite weight values (the hooked path maps NaN to qmin)"
         if hook.alpha.shape != weight.shape:
@@ -191,6 +187,20 @@ class AdaRoundStep:
         t.addcmul_(t, (hr - h).abs_().sign_(), value=-1.0)  # 1 - sign(|hr - h|) is 1 inside [0, 1], else 0
         self.alpha.grad = g.mul_(t)
         self._saved = None
+
+
+def _fixed_qparams(fq):
+    """The scale and zero point a weight quantizer's forward uses, as constants (AdaRound and AdaQuant train no
+    qparams): a learnable scale as the forward sees it (``2**round(log2_scale)`` for power-of-two scales), a
+    learnable zero point rounded as the forward rounds it (``zp + (round(zp) - zp)``, float32); int64 zero
+    points as they are."""
+    with torch.no_grad():
+        scale, zp = fq._effective_qparams()
+        if zp.is_floating_point():
+            from ..formats.integer import _round_zero_point
+
+            zp = zp + (_round_zero_point(zp, fq.fmt).to(zp.dtype) - zp)
+        return scale.detach(), zp.detach()
 
 
 def beta_schedule(step: int, total: int, warm_start: float, beta_range) -> float:

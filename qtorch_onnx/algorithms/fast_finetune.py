@@ -40,7 +40,7 @@ from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
 from .adaquant import AdaQuantStep
-from .adaround import AdaRoundRounding, AdaRoundStep, beta_schedule
+from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import QuadraticLayerLoss, StagedExecutor, float_twin, in_graph_order, sample_count
 from .reporting import save_before_after
 
@@ -465,7 +465,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if s.optim_algorithm == "adaround":
             fq._observer_enabled = False  # AdaRound keeps the scale; the rounding is what it learns
             w = layer.weight.detach().float()
-            scale = fq.scale.detach()
+            scale = _fixed_qparams(fq)[0]  # a learnable scale as the forward sees it
             if scale.dim() > 0:
                 shape = [1] * w.dim()
                 shape[fq.axis % w.dim()] = scale.numel()
@@ -511,6 +511,14 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # iterations for a non-finite loss, instead of once per iteration (a GPU synchronisation each)
     window_sum = None
     nonfinite = None
+    # Without QDrop the generator draws nothing but the mini-batches: draw them all at once (the same numbers
+    # as one draw per mini-batch) and put them on the device in one copy, instead of a host-to-device copy per
+    # mini-batch (each a synchronisation on a GPU)
+    table = dev_table = None
+    if s.drop_ratio >= 1.0:
+        table = torch.randint(0, n, (s.num_iterations * s.num_batches, bs), generator=gen)
+        dev_table = table.to(device) if quad is None else None
+    draw = 0
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
         for it in it_bar:
@@ -524,7 +532,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         for pq, v in zip(pqs, vs):
                             pq.override = v.requires_grad_()
             for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
-                idx = torch.randint(0, n, (bs,), generator=gen)
+                idx = torch.randint(0, n, (bs,), generator=gen) if table is None else table[draw]
+                draw += 1
                 if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
                     if vals is not None:  # host indices: no device round trip
                         gw, gb, v = quad.gradient(idx, vals[0][0], 1.0 / s.num_batches,
@@ -535,7 +544,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         v = quad.backward(idx, 1.0 / s.num_batches)
                     rec_value = v if rec_value is None else rec_value + v
                     continue
-                idx = idx.to(device)
+                idx = idx.to(device) if dev_table is None else dev_table[draw - 1]
                 inputs = {}
                 for a, x in ld.q_inputs.items():
                     xb = x.index_select(0, idx)

@@ -431,14 +431,16 @@ def test_quark_block_recon_key_turns_blocks_on():
     assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]
 
 
-@pytest.mark.parametrize("config,weight_type,per_channel,symmetric", [
-    ("A8W8", None, None, None),                       # INT8 per tensor
-    (None, "QInt8", True, True),                      # INT8 per channel
-    (None, "QUInt8", True, False),                    # UINT8 per channel, zero points != 0
-    (None, "QInt4", True, True),                      # INT4
-    (None, "QUInt4", False, False),
+@pytest.mark.parametrize("config,weight_type,per_channel,symmetric,learnable", [
+    ("A8W8", None, None, None, False),                # INT8 per tensor
+    (None, "QInt8", True, True, False),               # INT8 per channel
+    (None, "QUInt8", True, False, False),             # UINT8 per channel, zero points != 0
+    (None, "QInt4", True, True, False),               # INT4
+    (None, "QUInt4", False, False, False),
+    ("XINT8", None, None, None, True),                # learnable power-of-two scale (after QAT)
+    (None, "QUInt8", True, False, True),              # learnable scale and zero point
 ])
-def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetric):
+def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetric, learnable):
     """AdaRoundStep (the chain rule written out) gives the quantizer's own soft-rounded weight and autograd's
     gradient of loss + RegParam * regulariser, clamped elements and saturated rectifiers included."""
     from qtorch_onnx.algorithms.adaround import AdaRoundStep
@@ -448,7 +450,14 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
             per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
     qm = _prepared(config)
-    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
+    qo.disable_observer(qm)
+    if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
+        for layer in qm.layers():
+            fq = layer.weight_quantizer.set_learnable()
+            with torch.no_grad():
+                for name in ("log2_scale", "zero_point_float"):
+                    if name in fq._parameters:
+                        fq._parameters[name].add_(0.3)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
     for layer in qm.layers():
         fq, w = layer.weight_quantizer, layer.weight
         scale = fq.scale.detach()
@@ -494,12 +503,14 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             step.backward(upstream.clone())
 
 
-@pytest.mark.parametrize("config,weight_type,per_channel,symmetric", [
-    ("A8W8", None, None, None),
-    (None, "QUInt8", True, False),                    # zero points != 0
-    (None, "QInt4", True, True),
+@pytest.mark.parametrize("config,weight_type,per_channel,symmetric,learnable", [
+    ("A8W8", None, None, None, False),
+    (None, "QUInt8", True, False, False),             # zero points != 0
+    (None, "QInt4", True, True, False),
+    ("XINT8", None, None, None, True),                # learnable power-of-two scale (after QAT)
+    (None, "QUInt8", True, False, True),              # learnable scale and zero point
 ])
-def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetric):
+def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetric, learnable):
     """AdaQuantStep gives the quantizers' own weight and INT32 bias bits and autograd's straight-through
     gradients, saturated weights included."""
     from qtorch_onnx.algorithms.adaquant import AdaQuantStep
@@ -510,6 +521,13 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
             per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
     qm = _prepared(config)
     qo.disable_observer(qm)
+    if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
+        for layer in qm.layers():
+            fq = layer.weight_quantizer.set_learnable()
+            with torch.no_grad():
+                for name in ("log2_scale", "zero_point_float"):
+                    if name in fq._parameters:
+                        fq._parameters[name].add_(0.3)
     gen = torch.Generator().manual_seed(5)
     for layer in qm.layers():
         fq_w, fq_b, w, b = layer.weight_quantizer, layer.bias_quantizer, layer.weight, layer.bias
