@@ -84,7 +84,8 @@ class AdaRoundStep:
         wq  = (clamp(floor(w / scale) + h + zp, qmin, qmax) - zp) * scale
         dL/dalpha = (dL/dwq * scale * [qmin <= floor(w / scale) + h + zp <= qmax]
                      - 2 beta reg_param |2h - 1|^(beta - 1) sign(2h - 1))
-                    * (zeta - gamma) sigmoid(alpha) (1 - sigmoid(alpha)) * [0 <= sigmoid(alpha)(zeta - gamma) + gamma <= 1]
+                    * (zeta - gamma) sigmoid(alpha) (1 - sigmoid(alpha))
+                    * [0 <= sigmoid(alpha) (zeta - gamma) + gamma <= 1]
 
     (the clamps pass the gradient on their closed interval, as ``torch.clamp``'s backward does). The weight
     and its scale are fixed while AdaRound trains, so ``floor(w / scale)`` is computed once. An iteration is
@@ -176,7 +177,7 @@ class AdaRoundStep:
         if self._saved is None:
             raise RuntimeError("AdaRoundStep.backward before weight()")
         s, hr, h, c = self._saved
-        g = grad_wq * self.scale_dh
+        g = (grad_wq * self.scale_dh).contiguous()  # for the flat view below (a MatMul weight gradient is transposed)
         if self.edge is not None:  # the clamp to [qmin, qmax] passes the gradient on its closed interval
             flat, ce = g.view(-1), c.reshape(-1)[self.edge]
             flat.index_put_((self.edge,), flat[self.edge] * ((ce >= self.lo) & (ce <= self.hi)))

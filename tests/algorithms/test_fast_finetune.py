@@ -496,7 +496,8 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             hook.alpha.grad = None
             with torch.no_grad():
                 assert torch.equal(step.weight(), wq.detach())
-            step.backward(upstream.clone(), beta, 0.01)
+            up = upstream.clone() if w.dim() != 2 else upstream.t().contiguous().t()  # as a MatMul's gradient
+            step.backward(up, beta, 0.01)
             torch.testing.assert_close(hook.alpha.grad, ref, rtol=1e-5, atol=1e-7)
             assert (ref == 0).any() and (ref != 0).any()
         with pytest.raises(RuntimeError, match="before weight"):
