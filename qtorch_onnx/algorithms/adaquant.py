@@ -100,8 +100,10 @@ class AdaQuantStep:
         if self._saved is None:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
-        gw = grads[0]
-        self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0).reshape(self.weight.shape)
+        gw = grads[0].reshape(self.weight.shape)
+        # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused Adam
+        # rejects any other layout
+        self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
         if self.bias is not None:
-            self.bias.grad = (grads[1] * bias_mask).reshape(self.bias.shape)
+            self.bias.grad = torch.mul(grads[1].reshape(self.bias.shape), bias_mask, out=torch.empty_like(self.bias))
         self._saved = None

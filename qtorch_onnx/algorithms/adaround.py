@@ -177,10 +177,12 @@ class AdaRoundStep:
         if self._saved is None:
             raise RuntimeError("AdaRoundStep.backward before weight()")
         s, hr, h, c = self._saved
-        g = (grad_wq * self.scale_dh).contiguous()  # for the flat view below (a MatMul weight gradient is transposed)
+        # alpha's strides (a transposed MatMul weight's): optimizers expect a gradient laid out like its parameter
+        # (CUDA's fused Adam rejects any other), as autograd lays it out
+        g = torch.mul(grad_wq, self.scale_dh, out=torch.empty_like(self.alpha))
         if self.edge is not None:  # the clamp to [qmin, qmax] passes the gradient on its closed interval
-            flat, ce = g.view(-1), c.reshape(-1)[self.edge]
-            flat.index_put_((self.edge,), flat[self.edge] * ((ce >= self.lo) & (ce <= self.hi)))
+            ce = c.take(self.edge)  # take / put_ index in row-major order whatever the strides
+            g.put_(self.edge, g.take(self.edge) * ((ce >= self.lo) & (ce <= self.hi)))
         if beta is not None and reg_param:
             d = h * 2.0 - 1.0  # d/dh of reg_param * (1 - |d|^beta) = -2 beta reg_param |d|^(beta - 1) sign(d)
             g.add_(d.abs().pow_(beta - 1.0).mul_(d.sign()), alpha=-2.0 * beta * reg_param * (ZETA - GAMMA))

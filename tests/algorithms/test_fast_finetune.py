@@ -469,13 +469,15 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             hi = qo.formats.integer.quant_range(fq.fmt, fq.narrow_range)[1]
             zp = fq.zero_point.reshape(scale.shape).expand_as(w).reshape(-1)[0].float()
             w.view(-1)[0] = (hi - zp + 0.3) * scale.expand_as(w).reshape(-1)[0]
+        if w.dim() == 2:  # a transposed layout, as a MatMul weight can have: the gradient must follow it
+            w.data = w.data.t().contiguous().t()
         hook = AdaRoundRounding(w.detach() / scale)
         fq.set_rounding(hook)
         hook.train()
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():  # spread alpha so that some rectifiers saturate and the top integers clamp
             hook.alpha.add_(6.0 * torch.randn(hook.alpha.shape, generator=gen))
-            hook.alpha.view(-1)[0] = 10.0
+            hook.alpha[(0,) * hook.alpha.dim()] = 10.0
         step = AdaRoundStep(fq, hook, w)
         c = torch.zeros(0)
         if step.edge is not None:  # elements that can leave the integer range: the channel's largest magnitudes
@@ -498,6 +500,7 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
                 assert torch.equal(step.weight(), wq.detach())
             up = upstream.clone() if w.dim() != 2 else upstream.t().contiguous().t()  # as a MatMul's gradient
             step.backward(up, beta, 0.01)
+            assert hook.alpha.grad.stride() == hook.alpha.stride()
             torch.testing.assert_close(hook.alpha.grad, ref, rtol=1e-5, atol=1e-7)
             assert (ref == 0).any() and (ref != 0).any()
         with pytest.raises(RuntimeError, match="before weight"):
@@ -535,6 +538,8 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
         assert b is not None and fq_b.fmt.bits == 32
         with torch.no_grad():  # push some weights past the range: their gradient is 0
             w.view(-1)[:3] = torch.tensor([3.0, -3.0, 5.0]) * w.abs().max()
+        if w.dim() == 2:  # a transposed layout, as a MatMul weight can have: the gradient must follow it
+            w.data = w.data.t().contiguous().t()
         step = AdaQuantStep(fq_w, w, fq_b, b)
         upstream_w, upstream_b = torch.randn(w.shape, generator=gen), torch.randn(b.shape, generator=gen)
         w.requires_grad_(True)
@@ -550,6 +555,7 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
         assert torch.equal(vals[1].view(torch.int32), bq.detach().view(torch.int32))
         step.set_grads([upstream_w.clone(), upstream_b.clone()])
         assert torch.equal(w.grad, ref_w) and torch.equal(b.grad, ref_b)
+        assert w.grad.stride() == w.stride()
         w.requires_grad_(False)
         b.requires_grad_(False)
         with pytest.raises(RuntimeError, match="before values"):
