@@ -25,9 +25,10 @@ class AdaQuantStep:
         v = round_half_even(w / s) + zp;  wq = (nan_to_num(clamp(v, qmin, qmax), qmin) - zp) * s
         dL/dw = dL/dwq * [clamp(v) == v]                    (docs/numerics.md section 8)
 
-    Bias (when trained; INT32 with the scale ``s_x s_w``, fixed while the weight observer is off): the
-    quantizer's own ``quantize_bias`` / ``dequantize``, gradient ``dL/dbq`` where the integer is inside the
-    INT32 range. The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor
+    Bias (when trained; INT32 with the scale ``s_x s_w``, fixed while the weight observer is off):
+    ``bq = float32(clamp(round_half_even(float64(b) / float64(s_b)), INT32)) * s_b`` (``quantize_bias`` /
+    ``dequantize``'s arithmetic, docs/numerics.md section 1, without their per-call checks: each is a host read,
+    a synchronisation on a GPU), gradient ``dL/dbq`` where the integer is inside the INT32 range. The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor
     (a boolean comparison or multiply costs 4-8 float passes on a CPU). A non-finite weight gets gradient 0
     here where the quantizer's STE passes 1: such a layer has diverged and fast finetune restores it.
 
@@ -54,9 +55,11 @@ class AdaQuantStep:
         lo, hi = _integer.quant_range(fq_w.fmt, fq_w.narrow_range)
         self.lo, self.hi = float(lo), float(hi)
         if bias is not None:
-            self.bias_scale = fq_b.scale.detach().clone()
-            self.bias_axis = fq_b.axis if fq_b.scale.dim() > 0 else None
-            self.bias_range = _integer.quant_range(fq_b.fmt)
+            bs = fq_b.scale.detach()
+            if bs.dim() > 0:
+                bs = bs.reshape([-1 if d == (fq_b.axis % bias.dim()) else 1 for d in range(bias.dim())])
+            self.bias_scale, self.bias_scale64 = bs.to(torch.float32).clone(), bs.to(torch.float64)
+            self.bias_range = tuple(float(v) for v in _integer.quant_range(fq_b.fmt))
         self._saved: Optional[List[Optional[torch.Tensor]]] = None
 
     @staticmethod
@@ -86,9 +89,12 @@ class AdaQuantStep:
         out = [c.mul_(self.scale)]
         saved: List[Optional[torch.Tensor]] = [outside, None]
         if self.bias is not None:
-            q = _integer.quantize_bias(self.bias.detach(), self.bias_scale)
-            out.append(_integer.dequantize(q, self.bias_scale, None, axis=self.bias_axis))
+            # quantize_bias / dequantize's arithmetic without their checks' host reads: the scale was checked
+            # once (the values' comparison at setup), and a NaN bias is a divergence the loss shows, not an error.
+            # Integers held in float64 convert to float32 as int64 ones do.
             lo, hi = self.bias_range
+            q = torch.round(self.bias.detach().to(torch.float64) / self.bias_scale64).clamp_(lo, hi)
+            out.append(q.to(torch.float32) * self.bias_scale)
             saved[1] = (q > lo) & (q < hi)
         self._saved = saved
         return out
