@@ -28,9 +28,11 @@ class AdaQuantStep:
     Bias (when trained; INT32 with the scale ``s_x s_w``, fixed while the weight observer is off):
     ``bq = float32(clamp(round_half_even(float64(b) / float64(s_b)), INT32)) * s_b`` (``quantize_bias`` /
     ``dequantize``'s arithmetic, docs/numerics.md section 1, without their per-call checks: each is a host read,
-    a synchronisation on a GPU), gradient ``dL/dbq`` where the integer is inside the INT32 range. The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor
-    (a boolean comparison or multiply costs 4-8 float passes on a CPU). A non-finite weight gets gradient 0
-    here where the quantizer's STE passes 1: such a layer has diverged and fast finetune restores it.
+    a synchronisation on a GPU), gradient ``dL/dbq`` where the integer is inside the INT32 range.
+
+    The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor (a boolean comparison
+    or multiply costs 4-8 float passes on a CPU). A non-finite weight gets gradient 0 here where the quantizer's
+    STE passes 1: such a layer has diverged and fast finetune restores it.
 
     Args:
         fq_w: the weight's integer ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).

@@ -246,9 +246,10 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
             biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator). The
             layer itself (forward path) still runs under autograd, on the step's values as leaves. Applies where
-            every trained tensor is quantized through its module's parametrization with a fixed integer scale
-            (2-16 bits) and the step's values equal the quantizer's (checked); other layers, and False, use
-            autograd through the quantizers. The two differ in float rounding order only.
+            every trained tensor is quantized through its module's parametrization on an integer grid of 2-16
+            bits (calibrated or learned scale, held fixed) and the step's values equal the quantizer's
+            (checked); other layers, and False, use autograd through the quantizers. AdaQuant trains the same
+            values either way (the same arithmetic); AdaRound's differ in float rounding order only.
         through_activation: a layer whose output goes only to a Relu / LeakyRelu / Gelu / Tanh / Clip /
             Sigmoid / Softmax (:data:`ACTIVATION_OPS`) is reconstructed on that activation's output (quantized
             layer output through the activation vs the float one), as Quark 0.13 does for both algorithms; not
@@ -443,9 +444,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     """The optimisation shared by layers and blocks: AdaRound (a rounding hook per layer, one regulariser sum)
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(fn, batch)``: a single layer's
-    :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: AdaRound by
-    :class:`AdaRoundStep` / :class:`AdaQuantStep` where every layer allows it (:func:`_manual_steps`). Fills and
-    returns ``rec``."""
+    :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
+    (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`). Fills
+    and returns ``rec``."""
     from tqdm.auto import tqdm
 
     loss_before = _loss_on_all(fn, ld, output_q=out_q)
@@ -568,7 +569,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             if steps is not None:
                 grads = [g_quad] if quad is not None else [[v.grad for v in vs] for vs in vals]
                 for (st, _), vs, gs in zip(steps, vals, grads):
-                    st.set_grads([g if g is not None else torch.zeros_like(v) for v, g in zip(vs, gs)], beta, s.reg_param)
+                    st.set_grads([g if g is not None else torch.zeros_like(v) for v, g in zip(vs, gs)], beta,
+                                 s.reg_param)
             elif beta is not None:
                 (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
             opt.step()

@@ -450,14 +450,14 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
             per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
     qm = _prepared(config)
-    qo.disable_observer(qm)
+    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
     if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
         for layer in qm.layers():
             fq = layer.weight_quantizer.set_learnable()
             with torch.no_grad():
                 for name in ("log2_scale", "zero_point_float"):
                     if name in fq._parameters:
-                        fq._parameters[name].add_(0.3)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
+                        fq._parameters[name].add_(0.3)
     for layer in qm.layers():
         fq, w = layer.weight_quantizer, layer.weight
         scale = fq.scale.detach()
@@ -524,7 +524,7 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
             activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
             per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
     qm = _prepared(config)
-    qo.disable_observer(qm)
+    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
     if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
         for layer in qm.layers():
             fq = layer.weight_quantizer.set_learnable()
