@@ -328,7 +328,7 @@ def profile_ours(model: str, calib, iterations: int, out: Path, top: int = 30) -
             "_fake_quantize_hooked", "_fake_quantize_with_mask", "_quantize_core", "torch.where", "isfinite",
             "isnan", "full_like", "clamp", "torch.round", "adaround.py"],
         "Adam step": ["adam.py", "optimizer.py", "_fused_adam", "lerp_", "sqrt", "addcdiv", "addcmul", "mul_", "add_"],
-        "reconstruction loss": ["_rec_loss", "pow", "method 'sum'", "method 'mean'"],
+        "reconstruction loss": ["_rec_loss", "mse_loss", "pow", "method 'sum'", "method 'mean'"],
         "batch gather (index_select)": ["index_select", "randint"],
         "python: fx interpreter, nn.Module calls, parametrize": ["interpreter.py", "module.py", "parametrize.py",
                                                                 "fakequant.py", "reconstruction.py", "builtins"],
