@@ -94,7 +94,7 @@ class AdaRoundStep:
     graph can capture it).
 
     Args:
-        fq: the weight's integer ``FakeQuantize`` (fixed, non-learnable scale; 2-16 bits).
+        fq: the weight's integer ``FakeQuantize`` (2-16 bits; its scale, calibrated or learned, held fixed).
         hook: its :class:`AdaRoundRounding` (``alpha``, float32, the weight's shape).
         weight: the float weight (the quantizer's input layout), finite.
 

