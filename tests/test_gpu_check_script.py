@@ -16,7 +16,8 @@ def test_gpu_check_script_syntax():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_bundle.sh")], check=True)
 
 
-def test_gpu_e2e_runs_on_cpu(tmp_path):
+def _gpu_e2e_and_model(tmp_path):
+    """benchmarks/gpu_e2e as a module, and the small test CNN saved as ``tmp_path/cnn.onnx``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_e2e
@@ -26,6 +27,11 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
 
     model = tmp_path / "cnn.onnx"
     onnx.save(cnn(), model)
+    return gpu_e2e, model
+
+
+def test_gpu_e2e_runs_on_cpu(tmp_path):
+    gpu_e2e, model = _gpu_e2e_and_model(tmp_path)
     rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "2",
                        "--configs", "A8W8", "MX9", "--out", str(tmp_path / "out"),
                        "--ft-profile", str(tmp_path / "profile")])
@@ -49,15 +55,7 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
 def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
     """--ft-cpu-baseline also times MemOptLevel 0 and autograd through the quantizers; AdaQuant's written-out
     step trains the same values as autograd (the same arithmetic), so the variants' losses agree."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_e2e
-    finally:
-        sys.path.pop(0)
-    from tests.quant.small_models import cnn
-
-    model = tmp_path / "cnn.onnx"
-    onnx.save(cnn(), model)
+    gpu_e2e, model = _gpu_e2e_and_model(tmp_path)
     rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "1",
                        "--configs", "A8W8", "--ft-algorithm", "adaquant", "--ft-cpu-baseline",
                        "--out", str(tmp_path / "out")])

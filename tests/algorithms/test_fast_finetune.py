@@ -431,6 +431,27 @@ def test_quark_block_recon_key_turns_blocks_on():
     assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]
 
 
+def _prepared_for_steps(config, weight_type, per_channel, symmetric, learnable):
+    """A calibrated small CNN for the written-out step tests: a named config, or activations INT8 with
+    ``weight_type`` weights; observers off (the scales stay as calibrated whatever the weight does, as in
+    AdaRound and AdaQuant); with ``learnable`` the weight quantizers learnable and moved, as after QAT (the
+    forward then uses the learned scale, ``2**round(log2)`` for powers of two, and rounded zero point)."""
+    if config is None:
+        config = qo.Config(global_quant_config=qo.QuantizationConfig(
+            activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
+            per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
+    qm = _prepared(config)
+    qo.disable_observer(qm)
+    if learnable:
+        for layer in qm.layers():
+            fq = layer.weight_quantizer.set_learnable()
+            with torch.no_grad():
+                for name in ("log2_scale", "zero_point_float"):
+                    if name in fq._parameters:
+                        fq._parameters[name].add_(0.3)
+    return qm
+
+
 @pytest.mark.parametrize("config,weight_type,per_channel,symmetric,learnable", [
     ("A8W8", None, None, None, False),                # INT8 per tensor
     (None, "QInt8", True, True, False),               # INT8 per channel
@@ -445,19 +466,7 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
     gradient of loss + RegParam * regulariser, clamped elements and saturated rectifiers included."""
     from qtorch_onnx.algorithms.adaround import AdaRoundStep
 
-    if config is None:
-        config = qo.Config(global_quant_config=qo.QuantizationConfig(
-            activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
-            per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
-    qm = _prepared(config)
-    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
-    if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
-        for layer in qm.layers():
-            fq = layer.weight_quantizer.set_learnable()
-            with torch.no_grad():
-                for name in ("log2_scale", "zero_point_float"):
-                    if name in fq._parameters:
-                        fq._parameters[name].add_(0.3)
+    qm = _prepared_for_steps(config, weight_type, per_channel, symmetric, learnable)
     for layer in qm.layers():
         fq, w = layer.weight_quantizer, layer.weight
         scale = fq.scale.detach()
@@ -519,19 +528,7 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
     gradients, saturated weights included."""
     from qtorch_onnx.algorithms.adaquant import AdaQuantStep
 
-    if config is None:
-        config = qo.Config(global_quant_config=qo.QuantizationConfig(
-            activation_type=qo.QuantType.QInt8, weight_type=getattr(qo.QuantType, weight_type),
-            per_channel=per_channel, extra_options={"WeightSymmetric": symmetric}))
-    qm = _prepared(config)
-    qo.disable_observer(qm)  # the scales stay as calibrated (AdaRound's setting), whatever the weight does
-    if learnable:  # as after QAT: the forward uses the learned scale (2**round(log2) for powers of two)
-        for layer in qm.layers():
-            fq = layer.weight_quantizer.set_learnable()
-            with torch.no_grad():
-                for name in ("log2_scale", "zero_point_float"):
-                    if name in fq._parameters:
-                        fq._parameters[name].add_(0.3)
+    qm = _prepared_for_steps(config, weight_type, per_channel, symmetric, learnable)
     gen = torch.Generator().manual_seed(5)
     for layer in qm.layers():
         fq_w, fq_b, w, b = layer.weight_quantizer, layer.bias_quantizer, layer.weight, layer.bias
