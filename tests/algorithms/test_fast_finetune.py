@@ -595,3 +595,17 @@ def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, s
         for a, b in zip(reps[False, quadratic], recs):
             assert b.loss_after < b.loss_before or algorithm == "adaquant"  # AdaQuant without SelectiveUpdate
             assert abs(b.loss_after - a.loss_after) <= 0.1 * a.loss_before, (a, b)
+
+
+@pytest.mark.parametrize("kernel,stride,padding,groups", [
+    ((3, 3), (1, 1), (1, 1), 1), ((3, 3), (2, 2), (1, 1), 4), ((1, 3), (2, 1), (1, 2), 2), ((2, 2), (2, 2), (0, 0), 1),
+    ((5, 5), (1, 1), (2, 2), 4),
+])
+def test_columns_view_equals_unfold(kernel, stride, padding, groups):
+    """The Gram matrices' columns from a strided view of the padded input are F.unfold's, value for value."""
+    from qtorch_onnx.algorithms.reconstruction import _columns
+
+    m = torch.nn.Conv2d(4, 8, kernel, stride=stride, padding=padding, groups=groups)
+    x = torch.randn(3, 4, 9, 7, generator=torch.Generator().manual_seed(1))
+    ref = torch.nn.functional.unfold(x, kernel, padding=padding, stride=stride)
+    assert torch.equal(_columns(m, x), ref.reshape(3, groups, ref.shape[1] // groups, ref.shape[2]))
