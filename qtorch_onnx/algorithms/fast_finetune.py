@@ -674,15 +674,51 @@ def _manual_steps(layers, hooks, s: FastFinetuneSettings):
     return out
 
 
-def _adam(params: List[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+class _FusedAdam:
+    """``torch.optim.Adam(params, lr, fused=True)``'s update called directly: the same kernel
+    (``torch._fused_adam_``) on the same state (moments ``zeros_like`` the parameter, a float32 step count per
+    parameter), so the same bits, without the optimizer's per-step Python (grouping, hooks, profiler records):
+    a step of a small layer 23 -> 6 us on one CPU thread, a tenth of a written-out AdaRound iteration there.
+    Parameters without a gradient are skipped, as ``torch.optim.Adam`` skips them. Betas 0.9 / 0.999, eps 1e-8,
+    no weight decay (Quark's)."""
+
+    def __init__(self, params: List[torch.Tensor], lr: float) -> None:
+        self.params, self.lr = list(params), float(lr)
+        self.state: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        if not ps:
+            return
+        for p in ps:
+            if id(p) not in self.state:
+                self.state[id(p)] = (torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     torch.zeros((), dtype=torch.float32, device=p.device))
+        st = [self.state[id(p)] for p in ps]
+        steps = [t[2] for t in st]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adam_(ps, [p.grad for p in ps], [t[0] for t in st], [t[1] for t in st], [], steps,
+                           amsgrad=False, lr=self.lr, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+                           maximize=False, grad_scale=None, found_inf=None)
+
+
+def _adam(params: List[torch.Tensor], lr: float):
     """Adam (betas 0.9 / 0.999, eps 1e-8, as Quark's), fused into one kernel per parameter where torch has it
     for the device (CPU and CUDA float32: one pass over the parameter and its moments instead of about ten;
-    deterministic), else torch's default implementation."""
+    deterministic), called directly (:class:`_FusedAdam`); else torch's default implementation."""
     if all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
         try:
-            return torch.optim.Adam(params, lr=lr, fused=True)
-        except (RuntimeError, TypeError, ValueError):  # a torch without the fused kernel for this device
+            opt = torch.optim.Adam(params, lr=lr, fused=True)  # raises where torch has no fused kernel
+        except (RuntimeError, TypeError, ValueError):
             pass
+        else:
+            return _FusedAdam(params, lr) if hasattr(torch, "_fused_adam_") else opt
     return torch.optim.Adam(params, lr=lr)
 
 

@@ -609,3 +609,27 @@ def test_columns_view_equals_unfold(kernel, stride, padding, groups):
     x = torch.randn(3, 4, 9, 7, generator=torch.Generator().manual_seed(1))
     ref = torch.nn.functional.unfold(x, kernel, padding=padding, stride=stride)
     assert torch.equal(_columns(m, x), ref.reshape(3, groups, ref.shape[1] // groups, ref.shape[2]))
+
+
+def test_fused_adam_called_directly_equals_torch_adam():
+    """_FusedAdam gives torch.optim.Adam(fused=True)'s bits step by step: a transposed parameter, a parameter
+    without a gradient in one step."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam, _adam
+
+    gen = torch.Generator().manual_seed(2)
+    base = [torch.randn(5, 3, generator=gen), torch.randn(4, 6, generator=gen).t(), torch.randn(7, generator=gen)]
+    ours = [torch.nn.Parameter(b.clone()) for b in base]
+    ref = [torch.nn.Parameter(b.clone()) for b in base]
+    opt = _adam(ours, 1e-2)
+    assert isinstance(opt, _FusedAdam)
+    ref_opt = torch.optim.Adam(ref, lr=1e-2, fused=True)
+    for step in range(6):
+        grads = [torch.randn(b.shape, generator=gen) for b in base]
+        for group, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            for i, (p, g) in enumerate(zip(group, grads)):
+                if not (step == 2 and i == 1):
+                    p.grad = g.clone()
+            o.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
