@@ -46,11 +46,7 @@ class AdaQuantStep:
         why = self.unsupported(fq_w, weight, fq_b, bias)
         if why is not None:
             raise ValueError(f"AdaQuantStep: {why}")
-        scale, zp = _fixed_qparams(fq_w)
-        if scale.dim() > 0:
-            shape = [1] * weight.dim()
-            shape[fq_w.axis % weight.dim()] = scale.numel()
-            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        scale, zp = _fixed_qparams(fq_w, weight)
         self.weight, self.bias = weight, bias
         self.scale = scale.clone()
         self.zp = zp.to(torch.float32)  # added even when 0: round() gives -0.0, and -0.0 + 0 is the +0.0 it stores
@@ -95,7 +91,7 @@ class AdaQuantStep:
             # once (the values' comparison at setup), and a NaN bias is a divergence the loss shows, not an error.
             # Integers held in float64 convert to float32 as int64 ones do.
             lo, hi = self.bias_range
-            q = torch.round(self.bias.detach().to(torch.float64) / self.bias_scale64).clamp_(lo, hi)
+            q = _integer.round_bias(self.bias.detach().to(torch.float64), self.bias_scale64)
             out.append(q.to(torch.float32) * self.bias_scale)
             saved[1] = (q > lo) & (q < hi)
         self._saved = saved

@@ -109,11 +109,7 @@ class AdaRoundStep:
         from ..formats.integer import quant_range
 
         w = weight.detach().to(torch.float32)
-        scale, zp = _fixed_qparams(fq)
-        if scale.dim() > 0:  # per channel: broadcast along the quantizer's axis (as the hooked path does)
-            shape = [1] * w.dim()
-            shape[fq.axis % w.dim()] = scale.numel()
-            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        scale, zp = _fixed_qparams(fq, w)
         self.alpha = hook.alpha
         self.scale = scale
         self.scale_dh = scale * (ZETA - GAMMA)  # d wq / dh times dh / dsigmoid's constant factor
@@ -192,9 +188,10 @@ class AdaRoundStep:
         self._saved = None
 
 
-def _fixed_qparams(fq):
+def _fixed_qparams(fq, weight: torch.Tensor):
     """The scale and zero point a weight quantizer's forward uses, as constants (AdaRound and AdaQuant train no
-    qparams): a learnable scale as the forward sees it (``2**round(log2_scale)`` for power-of-two scales), a
+    qparams), shaped to broadcast against ``weight`` (per channel: along the quantizer's axis, as the forward
+    does): a learnable scale as the forward sees it (``2**round(log2_scale)`` for power-of-two scales), a
     learnable zero point rounded as the forward rounds it (``zp + (round(zp) - zp)``, float32); int64 zero
     points as they are."""
     with torch.no_grad():
@@ -203,7 +200,12 @@ def _fixed_qparams(fq):
             from ..formats.integer import _round_zero_point
 
             zp = zp + (_round_zero_point(zp, fq.fmt).to(zp.dtype) - zp)
-        return scale.detach(), zp.detach()
+        scale, zp = scale.detach(), zp.detach()
+        if scale.dim() > 0:
+            shape = [1] * weight.dim()
+            shape[fq.axis % weight.dim()] = scale.numel()
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        return scale, zp
 
 
 def beta_schedule(step: int, total: int, warm_start: float, beta_range) -> float:

@@ -471,11 +471,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if s.optim_algorithm == "adaround":
             fq._observer_enabled = False  # AdaRound keeps the scale; the rounding is what it learns
             w = layer.weight.detach().float()
-            scale = _fixed_qparams(fq)[0]  # a learnable scale as the forward sees it
-            if scale.dim() > 0:
-                shape = [1] * w.dim()
-                shape[fq.axis % w.dim()] = scale.numel()
-                scale = scale.reshape(shape)
+            scale = _fixed_qparams(fq, w)[0]  # a learnable scale as the forward sees it
             hook = AdaRoundRounding(w / scale).to(w.device)
             fq.set_rounding(hook)
             hook.train()

@@ -578,15 +578,10 @@ class QuadraticLayerLoss:
         and bias quantizers' autograd); returns ``factor * loss(idx)`` as a 0-d float64 tensor on the layer's
         device (read it when needed: each read is a host synchronisation on a GPU). ``idx``: int64 ``[B]``
         sample indices, best on the host (they are read as Python ints)."""
-        wq, R, bq, gb, sse = self._evaluate(idx, True)
-        f = factor / (idx.numel() * self.denominator)
-        tensors, grads = [], []
-        if wq.requires_grad:
-            tensors.append(wq)
-            grads.append(R.mul_(2.0 * f).reshape(wq.shape))
-        if bq is not None and bq.requires_grad:
-            tensors.append(bq)
-            grads.append(gb.mul_(f).reshape(bq.shape))
-        if tensors:
-            torch.autograd.backward(tensors, grads)
-        return sse * f
+        wq = self.module.weight
+        bq = self.module.bias if self.train_bias else None
+        gw, gb, loss = self.gradient(idx, wq, factor, bias=bq)
+        pairs = [(t, g) for t, g in ((wq, gw), (bq, gb)) if t is not None and t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return loss

@@ -36,6 +36,7 @@ __all__ = [
     "pow2_scale_nonoverflow",
     "bias_scale",
     "quantize_bias",
+    "round_bias",
     "quant_range",
 ]
 
@@ -545,5 +546,12 @@ def quantize_bias(b: torch.Tensor, scale_b: TensorLike) -> torch.Tensor:
         if bool(bad_scale):
             raise ConfigError(f"quantize_bias: bias scale must be positive and finite, got {bs.flatten()[:8].tolist()}")
         raise ConfigError("quantize_bias: the bias contains NaN")
-    q = torch.round(bd / bs).clamp(-(2 ** 31), 2 ** 31 - 1)
-    return q.to(torch.int32)
+    return round_bias(bd, bs).to(torch.int32)
+
+
+def round_bias(b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_bias`'s arithmetic without its checks: ``clip(round_half_even(b / scale_b), INT32
+    range)`` for float64 ``b`` and ``scale_b`` (broadcastable), as float64 integers (NaN stays NaN). For callers
+    that checked the scale once and quantize every training step (fast finetune's AdaQuant step: each check is
+    a host read, a synchronisation on a GPU)."""
+    return torch.round(b / scale_b).clamp_(-(2 ** 31), 2 ** 31 - 1)
