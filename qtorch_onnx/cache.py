@@ -1,4 +1,5 @@
-"""The project's cache root and the checksum its cached downloads are verified with.
+"""The project's cache root, the checksum its cached downloads are verified with, and the file lock of its
+on-first-use builds.
 
 One rule for every cache user (model zoo, operator library build, conformance node tests, the Quark interop
 benchmark): ``$QTORCH_ONNX_CACHE`` when set to a non-blank value, else ``~/.cache/qtorch_onnx``. Imports
@@ -6,11 +7,14 @@ nothing of torch.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
+import time
+from typing import Iterator
 
-__all__ = ["cache_root", "sha256_file"]
+__all__ = ["cache_root", "sha256_file", "file_lock"]
 
 _CHUNK = 1 << 20
 
@@ -31,3 +35,53 @@ def sha256_file(path: os.PathLike | str) -> str:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def file_lock(path: os.PathLike | str, timeout: float = 1800.0, error: type = TimeoutError) -> Iterator[None]:
+    """Exclusive inter-process lock on the file ``path`` (created, with its folder, if needed), held for the
+    ``with`` block: how the on-first-use builds (the operator library, fast finetune's CPU steps) keep two
+    processes from building the same thing at once.
+
+    Raises:
+        error: (the exception class given, with a message naming the lock file) after waiting ``timeout``
+            seconds."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        if os.name == "nt":  # pragma: no cover - Windows
+            import msvcrt
+
+            while True:
+                try:
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise error(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
+                              "another build may be stuck: delete the file and retry")
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise error(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
+                              "another build may be stuck")
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -22,7 +22,6 @@ prints the library path and the build time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -35,9 +34,9 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-from qtorch_onnx.cache import cache_root, sha256_file
+from qtorch_onnx.cache import cache_root, file_lock, sha256_file
 from qtorch_onnx.errors import UnsupportedFeatureError
 
 __all__ = [
@@ -110,47 +109,9 @@ def _source_files() -> List[Path]:
     return files
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Exclusive inter-process lock on ``path`` (created if needed); waits up to ``timeout`` seconds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        deadline = time.monotonic() + timeout
-        if os.name == "nt":  # pragma: no cover - Windows
-            import msvcrt
-
-            while True:
-                try:
-                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise LibraryBuildError(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
-                                                "another build may be stuck: delete the file and retry")
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise LibraryBuildError(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
-                                                "another build may be stuck")
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+def _file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S):
+    """:func:`qtorch_onnx.cache.file_lock` raising :class:`LibraryBuildError` on a timeout."""
+    return file_lock(path, timeout, LibraryBuildError)
 
 
 def _run(cmd: Sequence[str], step: str, hint: str, cwd: Optional[Path] = None, verbose: bool = False) -> str:

@@ -59,6 +59,11 @@ class AdaQuantStep:
             self.bias_scale, self.bias_scale64 = bs.to(torch.float32).clone(), bs.to(torch.float64)
             self.bias_range = tuple(float(v) for v in _integer.quant_range(fq_b.fmt))
         self._saved: Optional[List[Optional[torch.Tensor]]] = None
+        # the weight by the fused CPU loop (cpu_steps.c) where it applies; :meth:`check` keeps it only if it
+        # gives the quantizer's bits
+        from . import cpu_steps
+
+        self.layout = cpu_steps.RowLayout.of(weight.detach(), self.scale, self.zp, getattr(fq_w, "axis", None))
 
     @staticmethod
     def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
@@ -74,17 +79,34 @@ class AdaQuantStep:
         return None
 
     @torch.no_grad()
+    def check(self, expected: List[torch.Tensor]) -> bool:
+        """Whether :meth:`values` equals ``expected`` (the quantizers' outputs: weight, then the bias when
+        trained) bit for bit; the fused CPU loop is dropped if it alone differs."""
+        ok = all(torch.equal(v, e) for v, e in zip(self.values(), expected))
+        if not ok and self.layout is not None:
+            self.layout = None
+            ok = all(torch.equal(v, e) for v, e in zip(self.values(), expected))
+        self._saved = None
+        return ok
+
+    @torch.no_grad()
     def values(self) -> List[torch.Tensor]:
         """``[wq]`` or ``[wq, bq]``: the quantized weight (float32, the weight's shape) and bias for the current
         parameters; keeps the gradient masks for :meth:`set_grads`."""
-        v = torch.div(self.weight.detach().to(torch.float32), self.scale)
-        torch.round(v, out=v)
-        v.add_(self.zp)
-        c = v.clamp(self.lo, self.hi)
-        outside = v.sub_(c).abs_().sign_()  # 1 where saturated, 0 inside (v's buffer reused)
-        torch.nan_to_num(c, nan=self.lo, out=c)
-        c.sub_(self.zp)
-        out = [c.mul_(self.scale)]
+        if self.layout is not None:  # one fused CPU loop, the same bits
+            from . import cpu_steps
+
+            wq, outside = cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)
+            out = [wq]
+        else:
+            v = torch.div(self.weight.detach().to(torch.float32), self.scale)
+            torch.round(v, out=v)
+            v.add_(self.zp)
+            c = v.clamp(self.lo, self.hi)
+            outside = v.sub_(c).abs_().sign_()  # 1 where saturated, 0 inside (v's buffer reused)
+            torch.nan_to_num(c, nan=self.lo, out=c)
+            c.sub_(self.zp)
+            out = [c.mul_(self.scale)]
         saved: List[Optional[torch.Tensor]] = [outside, None]
         if self.bias is not None:
             # quantize_bias / dequantize's arithmetic without their checks' host reads: the scale was checked

@@ -123,6 +123,13 @@ class AdaRoundStep:
         edge = ((base < self.lo) | (base + 1.0 > self.hi)).reshape(-1).nonzero().reshape(-1)
         self.edge = edge if edge.numel() else None
         self._saved: Optional[Tuple[torch.Tensor, ...]] = None
+        # the fused CPU loops (cpu_steps.c) where they apply; :meth:`check` keeps them only if they agree with
+        # the torch step
+        self.layout = None
+        if self.alpha.is_contiguous() and self.floor.is_contiguous():
+            from . import cpu_steps
+
+            self.layout = cpu_steps.RowLayout.of(self.alpha, scale, self.zp, getattr(fq, "axis", None))
 
     @staticmethod
     def unsupported(fq, hook, weight: torch.Tensor) -> Optional[str]:
@@ -138,9 +145,35 @@ class AdaRoundStep:
         return None
 
     @torch.no_grad()
+    def check(self, expected: List[torch.Tensor]) -> bool:
+        """Whether the step computes the quantizer's function: its torch code's weight equals ``expected[0]``
+        (the hooked quantizer's output for the same ``alpha``) bit for bit. The fused CPU loops are kept only
+        when their weight also agrees with it to float32 rounding (``|diff| <= scale (2e-6 + 2.5e-7 (|floor| + |zp| +
+        1))``: our sigmoid's error, then float32 roundings of ``floor + zp + h`` and ``- zp``); else the torch code runs."""
+        fused, self.layout = self.layout, None
+        reference = self.weight()
+        self._saved = None
+        if not torch.equal(reference, expected[0]):
+            return False
+        if fused is not None:
+            from . import cpu_steps
+
+            got = cpu_steps.adaround_values(fused, self.alpha.detach(), self.floor, self.lo, self.hi)
+            base = self.floor.abs() if self.zp is None else self.floor.abs() + self.zp.abs()
+            bound = self.scale * (2e-6 + 2.5e-7 * (base + 1.0))  # h's error, then roundings of size |floor| + |zp|
+            if bool(((got - reference).abs() <= bound).all()):
+                self.layout = fused
+        return True
+
+    @torch.no_grad()
     def weight(self) -> torch.Tensor:
         """The soft-quantized weight for the current ``alpha`` (float32, the weight's shape); keeps what
         :meth:`backward` needs."""
+        if self.layout is not None:  # the fused CPU loop: backward recomputes what it needs from alpha
+            from . import cpu_steps
+
+            self._saved = ()
+            return cpu_steps.adaround_values(self.layout, self.alpha.detach(), self.floor, self.lo, self.hi)
         s = torch.sigmoid(self.alpha)
         hr = s * (ZETA - GAMMA) + GAMMA
         h = hr.clamp(0.0, 1.0)
@@ -172,6 +205,13 @@ class AdaRoundStep:
         passes."""
         if self._saved is None:
             raise RuntimeError("AdaRoundStep.backward before weight()")
+        if self.layout is not None:
+            from . import cpu_steps
+
+            self.alpha.grad = cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo,
+                                                      self.hi, grad_wq.contiguous(), beta, reg_param)
+            self._saved = None
+            return
         s, hr, h, c = self._saved
         # alpha's strides (a transposed MatMul weight's): optimizers expect a gradient laid out like its parameter
         # (CUDA's fused Adam rejects any other), as autograd lays it out

@@ -664,7 +664,7 @@ def _manual_steps(layers, hooks, s: FastFinetuneSettings):
         if any(f is None for f in found):
             return None
         with torch.no_grad():
-            if not all(torch.equal(v, getattr(module, attr)) for v, (_, attr) in zip(step.values(), found)):
+            if not step.check([getattr(module, attr) for _, attr in found]):
                 return None
         out.append((step, [pq for pq, _ in found]))
     return out

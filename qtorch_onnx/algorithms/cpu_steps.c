@@ -1,0 +1,173 @@
+/* qtorch-onnx: fast finetune's written-out AdaRound and AdaQuant steps as fused CPU loops.
+ *
+ * The same functions as qtorch_onnx/algorithms/adaround.py (AdaRoundStep) and adaquant.py (AdaQuantStep), one
+ * pass over the weight instead of about twenty torch operations (each a pass over the weight and a dispatch).
+ * Built on first use by qtorch_onnx/algorithms/cpu_steps.py (cc -O3 -march=native -fno-math-errno
+ * -fno-trapping-math -ffp-contract=off), loaded with ctypes; no torch headers, no ONNX Runtime.
+ *
+ * Layout: float32, contiguous. A weight of n elements is `rows` rows of `inner` elements; row r uses the
+ * quantization parameters of channel (r % channels) (per tensor: channels = 1). Every function takes a row
+ * range [r0, r1) so that the caller can split the rows between threads.
+ *
+ * AdaRound (Nagel et al. 2020, arXiv 2004.10568, eqs. 22-24; zeta = 1.1, gamma = -0.1):
+ *   s = sigmoid(alpha);  hr = s (zeta - gamma) + gamma;  h = clamp(hr, 0, 1)
+ *   wq = (clamp(floor + h + zp, qmin, qmax) - zp) * scale
+ *   dL/dalpha = (dL/dwq scale [qmin <= floor + h + zp <= qmax]
+ *                - 2 beta reg |2h - 1|^(beta - 1) sign(2h - 1)) (zeta - gamma) s (1 - s) [0 <= hr <= 1]
+ * sigmoid, exp2 and log2 are our own polynomial approximations (relative error about 2e-7 for the sigmoid,
+ * 2e-6 for |d|^p), so the values differ from torch's in the last bits: the step is an optimisation, and
+ * export writes the hard rounding (alpha >= 0), which the quantizer computes, not this file.
+ *
+ * AdaQuant (Hubara et al. 2021, arXiv 2006.10518), integer weight with the straight-through estimator:
+ *   v = round_half_even(w / scale) + zp;  wq = (nan_to_num(clamp(v, qmin, qmax), qmin) - zp) * scale
+ *   outside = 1 where v lies outside [qmin, qmax] (saturated), else 0 (NaN included, as the torch step)
+ * bit for bit the quantizer's fused path (formats/integer.py, docs/numerics.md section 1): IEEE division,
+ * rint in the default round-to-nearest-even mode, no contraction (-ffp-contract=off).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define ZETA 1.1f
+#define GAMMA (-0.1f)
+
+typedef union { uint32_t u; float f; } bits32;
+
+/* x clamped to [lo, hi]; NaN gives lo (the comparison is false), as nan_to_num(clamp(x), lo) does */
+static inline float clampf(float x, float lo, float hi) {
+    x = x > lo ? x : lo;
+    return x < hi ? x : hi;
+}
+
+/* 2^y for y in [-126, 126] (clamped): 2^k by the exponent bits for the nearest integer k, the degree-6 Taylor
+ * polynomial of 2^f = e^(f ln 2) for the rest f in [-1/2, 1/2] (truncation error below 2e-7 relative) */
+static inline float exp2_approx(float y) {
+    y = clampf(y, -126.0f, 126.0f);
+    float k = rintf(y);
+    float f = y - k;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    bits32 b;
+    b.u = (uint32_t)((int32_t)k + 127) << 23;
+    return p * b.f;
+}
+
+/* log2(x) for a positive normal x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log2(m) = (2 / ln 2) atanh(t),
+ * t = (m - 1) / (m + 1) in [-0.172, 0.172], by its series to t^9 (truncation below 3e-9) */
+static inline float log2_approx(float x) {
+    bits32 b;
+    b.f = x;
+    int32_t e = (int32_t)(b.u >> 23) - 127;
+    b.u = (b.u & 0x7fffffu) | 0x3f800000u; /* m in [1, 2) */
+    float m = b.f;
+    int big = m > 1.41421356f;
+    m = big ? m * 0.5f : m;
+    e += big;
+    float t = (m - 1.0f) / (m + 1.0f);
+    float t2 = t * t;
+    float s = 1.0f / 9.0f;
+    s = s * t2 + 1.0f / 7.0f;
+    s = s * t2 + 1.0f / 5.0f;
+    s = s * t2 + 1.0f / 3.0f;
+    s = s * t2 + 1.0f;
+    return (float)e + 2.8853900818f * t * s;
+}
+
+static inline float sigmoid_approx(float a) { return 1.0f / (1.0f + exp2_approx(-1.44269504089f * a)); }
+
+/* ------------------------------------------------------------------------------------------------ AdaRound */
+__attribute__((noinline)) static void adaround_values_row(int64_t n, const float *restrict alpha,
+                                                         const float *restrict fl, float scale, float zp, float lo,
+                                                         float hi, float *restrict out) {
+    for (int64_t i = 0; i < n; i++) {
+        float s = sigmoid_approx(alpha[i]);
+        float h = clampf(s * (ZETA - GAMMA) + GAMMA, 0.0f, 1.0f);
+        float v = clampf(fl[i] + h + zp, lo, hi);
+        out[i] = (v - zp) * scale;
+    }
+}
+
+void qt_adaround_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *alpha,
+                        const float *fl, const float *scale, const float *zp, float lo, float hi, float *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t c = r % channels, o = r * inner;
+        adaround_values_row(inner, alpha + o, fl + o, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + o);
+    }
+}
+
+/* the gradient without the regulariser (AdaRound's warm start) */
+__attribute__((noinline)) static void adaround_grad_row(int64_t n, const float *restrict alpha,
+                                                       const float *restrict fl, float scale_dh, float zp, float lo,
+                                                       float hi, const float *restrict gwq, float *restrict out) {
+    for (int64_t i = 0; i < n; i++) {
+        float s = sigmoid_approx(alpha[i]);
+        float hr = s * (ZETA - GAMMA) + GAMMA;
+        float h = clampf(hr, 0.0f, 1.0f);
+        float v = fl[i] + h + zp;
+        float inside = (float)((v >= lo) & (v <= hi));
+        float rect = (float)(hr == h);
+        out[i] = gwq[i] * scale_dh * inside * (s * (1.0f - s) * rect);
+    }
+}
+
+/* with the regulariser's gradient: coef = -2 beta reg (zeta - gamma), p = beta - 1 */
+__attribute__((noinline)) static void adaround_grad_reg_row(int64_t n, const float *restrict alpha,
+                                                           const float *restrict fl, float scale_dh, float zp,
+                                                           float lo, float hi, const float *restrict gwq, float p,
+                                                           float coef, float *restrict out) {
+    for (int64_t i = 0; i < n; i++) {
+        float s = sigmoid_approx(alpha[i]);
+        float hr = s * (ZETA - GAMMA) + GAMMA;
+        float h = clampf(hr, 0.0f, 1.0f);
+        float v = fl[i] + h + zp;
+        float inside = (float)((v >= lo) & (v <= hi));
+        float rect = (float)(hr == h);
+        float d = 2.0f * h - 1.0f;
+        float ad = fabsf(d);
+        ad = ad > 1e-30f ? ad : 1e-30f; /* |d| = 0 gives 2^(p log2(1e-30)) = 0 for p >= 1 */
+        float pw = exp2_approx(p * log2_approx(ad));
+        float g = gwq[i] * scale_dh * inside + coef * copysignf(pw, d);
+        out[i] = g * (s * (1.0f - s) * rect);
+    }
+}
+
+void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *alpha, const float *fl,
+                      const float *scale, const float *zp, float lo, float hi, const float *gwq, float beta,
+                      float reg, float *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t c = r % channels, o = r * inner;
+        float sdh = scale[c] * (ZETA - GAMMA), z = zp ? zp[c] : 0.0f;
+        if (reg != 0.0f)
+            adaround_grad_reg_row(inner, alpha + o, fl + o, sdh, z, lo, hi, gwq + o, beta - 1.0f,
+                                  -2.0f * beta * reg * (ZETA - GAMMA), out + o);
+        else
+            adaround_grad_row(inner, alpha + o, fl + o, sdh, z, lo, hi, gwq + o, out + o);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ AdaQuant */
+__attribute__((noinline)) static void adaquant_values_row(int64_t n, const float *restrict w, float scale, float zp,
+                                                         float lo, float hi, float *restrict out,
+                                                         float *restrict outside) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = rintf(w[i] / scale) + zp;
+        float c = clampf(v, lo, hi);
+        outside[i] = (float)((v < lo) | (v > hi)); /* NaN: 0, as torch.sign(NaN) gives in the torch step */
+        out[i] = (c - zp) * scale;
+    }
+}
+
+void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *w, const float *scale,
+                        const float *zp, float lo, float hi, float *out, float *outside) {
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t c = r % channels, o = r * inner;
+        adaquant_values_row(inner, w + o, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + o, outside + o);
+    }
+}
+
+/* the library's interface version, checked at load */
+int qt_cpu_steps_version(void) { return 1; }

@@ -1,0 +1,135 @@
+"""Fast finetune's fused CPU loops (qtorch_onnx/algorithms/cpu_steps.c) against the torch steps they copy:
+AdaQuant's weight bit for bit (NaN, infinities, signed zeros, saturation), AdaRound's values and gradient to
+float32 rounding, the row split between threads, the build cache and the switch that turns them off."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qtorch_onnx.algorithms import cpu_steps
+from qtorch_onnx.algorithms.adaround import GAMMA, ZETA
+
+pytestmark = pytest.mark.skipif(not cpu_steps.available(), reason="no C compiler: the fused CPU steps are not built")
+
+
+def _torch_adaquant(w, scale, zp, lo, hi):
+    """AdaQuantStep's torch arithmetic (the quantizer's fused path)."""
+    v = torch.round(w / scale) + zp
+    c = v.clamp(lo, hi)
+    outside = (v - c).abs().sign()
+    return (torch.nan_to_num(c, nan=lo) - zp) * scale, outside
+
+
+@pytest.mark.parametrize("per_channel,asymmetric", [(False, False), (True, False), (True, True)])
+def test_adaquant_values_bit_exact(per_channel, asymmetric):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 5, 3, 3, generator=gen) * 0.3
+    flat = w.view(-1)
+    flat[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e30, -1e30, 4.5e-3])
+    if per_channel:
+        scale = (w.nan_to_num(0, 0, 0).abs().amax(dim=(1, 2, 3)) / 127 + 1e-4).reshape(-1, 1, 1, 1)
+        scale[3] = 2.0 ** -12  # a power of two: w / scale exact, ties to even on the grid
+    else:
+        scale = torch.tensor(0.0123)
+    zp = torch.randint(0, 40, scale.shape, generator=gen).float() if asymmetric else torch.zeros(scale.shape)
+    lo, hi = (0.0, 255.0) if asymmetric else (-128.0, 127.0)
+    ref, ref_out = _torch_adaquant(w, scale, zp, lo, hi)
+    layout = cpu_steps.RowLayout.of(w, scale, zp if asymmetric else None, 0 if per_channel else None)
+    got, out = cpu_steps.adaquant_values(layout, w, lo, hi)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # -0.0 vs +0.0 included
+    assert torch.equal(out, ref_out) and float(out.view(-1)[0]) == 0.0 and float(out.view(-1)[1]) == 1.0
+    assert float(got.view(-1)[0]) == (lo - float(zp.reshape(-1)[0])) * float(scale.reshape(-1)[0])
+
+
+def _torch_adaround(alpha, floor, scale, zp, lo, hi, gwq, beta, reg):
+    s = torch.sigmoid(alpha.double())
+    hr = s * (ZETA - GAMMA) + GAMMA
+    h = hr.clamp(0, 1)
+    c = floor.double() + h + zp.double()
+    wq = (c.clamp(lo, hi) - zp.double()) * scale.double()
+    g = gwq.double() * scale.double() * (ZETA - GAMMA) * ((c >= lo) & (c <= hi))
+    if beta is not None:
+        d = 2 * h - 1
+        g = g - 2 * beta * reg * (ZETA - GAMMA) * d.abs().pow(beta - 1) * d.sign()
+    return wq, g * s * (1 - s) * ((hr >= 0) & (hr <= 1))
+
+
+@pytest.mark.parametrize("beta", [None, 2.0, 7.37, 19.0])
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_adaround_values_and_gradient_match_float64(beta, axis):
+    """Against float64 arithmetic: the weight to a few float32 roundings of floor + h, the gradient to 2e-5 of
+    its largest element (the regulariser's power by our exp2 / log2 polynomials)."""
+    gen = torch.Generator().manual_seed(1)
+    shape = (6, 20, 3, 3)
+    alpha = torch.randn(shape, generator=gen) * 4
+    floor = torch.floor(torch.randn(shape, generator=gen) * 60)
+    if axis is None:
+        scale, zp, lo, hi = torch.tensor(0.02), torch.tensor(0.0), -128.0, 127.0
+    else:
+        n = shape[axis]
+        bshape = [1] * 4
+        bshape[axis] = n
+        scale = (torch.rand(n, generator=gen) * 0.05 + 1e-3).reshape(bshape)
+        zp, lo, hi = torch.randint(100, 140, (n,), generator=gen).float().reshape(bshape), 0.0, 255.0
+    gwq = torch.randn(shape, generator=gen)
+    layout = cpu_steps.RowLayout.of(alpha, scale, zp if axis is not None else None, axis)
+    wq = cpu_steps.adaround_values(layout, alpha, floor, lo, hi)
+    g = cpu_steps.adaround_grad(layout, alpha, floor, lo, hi, gwq, beta, 0.01)
+    ref_wq, ref_g = _torch_adaround(alpha, floor, scale, zp, lo, hi, gwq, beta, 0.01)
+    assert ((ref_wq >= lo * scale) | (ref_wq <= hi * scale)).all()
+    bound = scale.double() * (2e-6 + 2.5e-7 * ((floor.abs() + zp.abs()).double() + 1))  # h, then roundings
+    assert bool(((wq.double() - ref_wq).abs() <= bound).all())
+    torch.testing.assert_close(g.double(), ref_g, rtol=1e-4, atol=2e-5 * float(ref_g.abs().max()))
+    assert (g == 0).any() and (g != 0).any()  # clamped integers and saturated rectifiers have gradient 0
+
+
+def test_rows_split_between_threads_give_the_same_bits():
+    gen = torch.Generator().manual_seed(2)
+    n_out = 2 * cpu_steps.PARALLEL_MIN // 64 + 3
+    w = torch.randn(n_out, 64, generator=gen)
+    scale = (w.abs().amax(dim=1) / 127).reshape(-1, 1)
+    alpha, floor, gwq = torch.randn(w.shape, generator=gen), torch.floor(w / scale), torch.randn(w.shape, generator=gen)
+    layout = cpu_steps.RowLayout.of(w, scale, None, 0)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append((cpu_steps.adaquant_values(layout, w, -128, 127),
+                            cpu_steps.adaround_values(layout, alpha, floor, -128, 127),
+                            cpu_steps.adaround_grad(layout, alpha, floor, -128, 127, gwq, 5.5, 0.01)))
+    finally:
+        torch.set_num_threads(before)
+    (a1, b1, c1), (a3, b3, c3) = results
+    assert torch.equal(a1[0], a3[0]) and torch.equal(a1[1], a3[1]) and torch.equal(b1, b3) and torch.equal(c1, c3)
+
+
+def test_layout_refuses_what_the_loops_do_not_cover():
+    w = torch.randn(8, 4)
+    s = torch.rand(8, 1)
+    assert cpu_steps.RowLayout.of(w.t().contiguous().t(), s, None, 0) is None  # strided (a MatMul's transpose)
+    assert cpu_steps.RowLayout.of(w.double(), s, None, 0) is None
+    assert cpu_steps.RowLayout.of(w, torch.rand(3, 1), None, 0) is None      # scale does not match the axis
+    assert cpu_steps.RowLayout.of(w, s, None, None) is None                   # per channel without an axis
+    lay = cpu_steps.RowLayout.of(w, torch.rand(4), torch.zeros(()), 1)      # per channel on the last axis
+    assert (lay.rows, lay.channels, lay.inner) == (32, 4, 1) and lay.zero_point.shape == (4,)
+
+
+def test_switch_off_and_cached_build(tmp_path):
+    """QTORCH_ONNX_CPU_STEPS=0 leaves the steps in torch; a second process finds the cached library."""
+    code = ("import os, torch; from qtorch_onnx.algorithms import cpu_steps as c; "
+            "print(c.available(), c.RowLayout.of(torch.ones(4, 4), torch.ones(()), None, None) is not None)")
+    env_off = {"QTORCH_ONNX_CPU_STEPS": "0", "QTORCH_ONNX_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env_off, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    env_on = dict(env_off, QTORCH_ONNX_CPU_STEPS="1")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env_on, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["True", "True"], out.stderr
+    assert len(list((tmp_path / "cpu_steps").glob("*/libqtorch_cpu_steps.so"))) == 1
+    env_bad = dict(env_on, CC="/nonexistent/cc", QTORCH_ONNX_CACHE=str(tmp_path / "other"), PATH="")
+    out = subprocess.run([sys.executable, "-c", code], env=env_bad, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"] and "fused CPU steps are unavailable" in out.stderr
