@@ -454,7 +454,17 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     and returns ``rec``."""
     from tqdm.auto import tqdm
 
-    loss_before = _loss_on_all(fn, ld, output_q=out_q)
+    n = ld.target.shape[0]
+    bs = min(s.batch_size, n)
+    # the Gram matrices first: they are built around the layer's starting weight, so its loss before
+    # finetuning is their constant term (no forward pass); the loss after is their quadratic form
+    quad = quad_for(fn, bs) if quad_for is not None else None
+    if quad is not None:
+        rec.note = (rec.note + "; " if rec.note else "") + quad[1]
+        quad = quad[0]
+        loss_before = quad.start_value()
+    else:
+        loss_before = _loss_on_all(fn, ld, output_q=out_q)
     rec.loss_before = rec.loss_after = loss_before
     if not math.isfinite(loss_before):
         rec.kept = False
@@ -493,13 +503,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
     opt = _adam(params, lr)
     steps = _manual_steps(layers, hooks, s) if manual_gradient else None
-    n = ld.target.shape[0]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
-    bs = min(s.batch_size, n)
-    quad = quad_for(fn, bs) if quad_for is not None else None
-    if quad is not None:
-        rec.note = (rec.note + "; " if rec.note else "") + quad[1]
-        quad = quad[0]
     warm = int(math.ceil(s.warm_start * s.num_iterations))
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
     # iterations when > 1, else a tenth of NumIterations) must beat the best window so far, or the layer stops
@@ -603,7 +607,12 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     for hook in hooks:
         hook.hard_mode = True
         hook.eval()
-    loss_after = _loss_on_all(fn, ld, output_q=out_q) if not diverged else math.nan
+    if diverged:
+        loss_after = math.nan
+    elif quad is not None:
+        loss_after = _quadratic_loss_after(quad, fn, ld, rec)
+    else:
+        loss_after = _loss_on_all(fn, ld, output_q=out_q)
     rec.loss_after = loss_after
     restore = diverged or not math.isfinite(loss_after) or (s.selective_update and loss_after >= loss_before)
     if restore:
@@ -622,6 +631,23 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
+
+
+def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord) -> float:
+    """The finetuned layer's loss over all samples from its Gram matrices, the algebra checked against the
+    forward path on the first sample (the trained weight, so a wrong quadratic form shows); on a mismatch the
+    forward path's loss over all samples, and a note."""
+    n = ld.target.shape[0]
+    value = quad.value(torch.arange(n))
+    with torch.no_grad():
+        first = {a: x[:1] for a, x in ld.q_inputs.items()}
+        lf = float(_rec_loss(fn(first), ld.target[:1]))
+    lq = quad.value(torch.zeros(1, dtype=torch.int64))
+    if math.isfinite(value) and abs(lq - lf) <= 1e-3 * abs(lf) + 1e-6:
+        return value
+    rec.note = (rec.note + "; " if rec.note else "") + \
+        f"quadratic loss {lq:.6g} != forward loss {lf:.6g} on sample 0: loss after by forward passes"
+    return _loss_on_all(fn, ld)
 
 
 def _param_quantizer(module, param, fq):
@@ -721,8 +747,8 @@ def _adam(params: List[torch.Tensor], lr: float):
 def _quadratic_loss(qm, node, layer, ld, fn, s: FastFinetuneSettings, bs: int, out_q):
     """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
     (a plain Conv1d / Conv2d / Linear called on one cached activation, no QDrop mixing, no output quantizer,
-    fewer multiply-adds than the forward path for these iterations), checked against the forward path on a few
-    samples; else None."""
+    fewer multiply-adds than the forward path for these iterations); else None. The algebra is checked
+    against the forward path after training (:func:`_quadratic_loss_after`)."""
     if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1:
         return None
     if node.op != "call_module" or node.kwargs or len(node.args) != 1:
@@ -737,12 +763,6 @@ def _quadratic_loss(qm, node, layer, ld, fn, s: FastFinetuneSettings, bs: int, o
         return None
     quad = QuadraticLayerLoss(layer.module, x, ld.target,
                               train_bias=s.optim_algorithm == "adaquant" and s.update_bias and layer.bias is not None)
-    probe = torch.arange(min(ld.target.shape[0], 4), device=x.device)
-    with torch.no_grad():  # the algebra must give the forward path's loss (same quantized weight and bias)
-        lq = quad.value(probe)
-        lf = float(_rec_loss(fn({a: x.index_select(0, probe)}), ld.target.index_select(0, probe)))
-    if not (math.isfinite(lq) and abs(lq - lf) <= 1e-3 * abs(lf) + 1e-6):
-        return None
     return quad, why
 
 

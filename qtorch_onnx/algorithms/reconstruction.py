@@ -11,6 +11,7 @@ values move to host memory or to disk (``mem_opt_level``).
 from __future__ import annotations
 
 import copy
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -548,6 +549,12 @@ class QuadraticLayerLoss:
                 R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
                 gb = 2.0 * (ws + nl * b - Y)
         return wq, R, bq, gb, sse
+
+    def start_value(self) -> float:
+        """The loss over all samples of the weight and bias the layer had when this was built (``w0``, ``b0``):
+        the constant term, ``sum_i c_i`` (float64 sums of the float32 residual squares), divided like
+        ``_rec_loss``; no product."""
+        return math.fsum(self._c) / (len(self._c) * self.denominator)
 
     def value(self, idx: torch.Tensor) -> float:
         """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it

@@ -302,6 +302,42 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
             assert b.loss_after < b.loss_before
 
 
+def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
+    """A Gram-matrix layer's losses before (the constant term) and after (the quadratic form) equal the forward
+    path's over all samples; a quadratic form that disagrees with the forward path on sample 0 after training
+    gives the forward loss and says so."""
+    import importlib
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    forward = []
+    orig = ff._loss_on_all
+    monkeypatch.setattr(ff, "_loss_on_all", lambda *a, **k: forward.append(orig(*a, **k)) or forward[-1])
+    qm = _prepared("A8W8")
+    ex_layers = {}
+    orig_after = ff._quadratic_loss_after
+
+    def after(quad, fn, ld, rec):  # the forward path's loss over all samples beside the quadratic one
+        value = orig_after(quad, fn, ld, rec)
+        ex_layers[rec.name] = (quad.start_value(), value, orig(fn, ld))
+        return value
+
+    monkeypatch.setattr(ff, "_quadratic_loss_after", after)
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=100, batch_size=2, progress=False)
+    recs = {r.name: r for r in qm.finetune_report.layers}
+    assert ex_layers
+    for name, (start, value, fwd) in ex_layers.items():
+        assert start == recs[name].loss_before
+        assert abs(value - fwd) <= 1e-4 * fwd, (name, value, fwd)
+    assert len(forward) == 2 * (len(recs) - len(ex_layers))  # forward passes for the forward-path layers only
+    monkeypatch.setattr(ff, "_quadratic_loss_after", orig_after)
+    monkeypatch.setattr(importlib.import_module("qtorch_onnx.algorithms.reconstruction").QuadraticLayerLoss,
+                        "value", lambda self, idx: 1.0)
+    qm = _prepared("A8W8")
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=20, batch_size=2, progress=False)
+    bad = [r for r in qm.finetune_report.layers if "loss after by forward passes" in r.note]
+    assert bad and all(r.loss_after != 1.0 for r in bad)
+
+
 def test_adaquant_reconstructs_through_the_following_activation():
     """conv1 feeds only relu1 and fc only the softmax: AdaQuant (by default) compares those activations' outputs,
     as Quark 0.13 does; AdaRound and through_activation=False compare the layer's output; layers feeding
