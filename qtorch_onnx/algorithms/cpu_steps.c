@@ -25,6 +25,7 @@
  * rint in the default round-to-nearest-even mode, no contraction (-ffp-contract=off).
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define ZETA 1.1f
@@ -169,5 +170,146 @@ void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner,
     }
 }
 
+/* ------------------------------------------------------------------------- depthwise Gram matrices */
+/* sum_q u[q] v[q] over n floats, in float64 */
+__attribute__((noinline)) static double dot(int64_t n, const float *restrict u, const float *restrict v) {
+    double acc[8] = {0.0}; /* independent lane sums: vector registers without reassociation */
+    int64_t q = 0;
+    for (; q + 8 <= n; q += 8)
+        for (int t = 0; t < 8; t++)
+            acc[t] += (double)u[q + t] * (double)v[q + t];
+    double total = 0.0;
+    for (int t = 0; t < 8; t++)
+        total += acc[t];
+    for (; q < n; q++)
+        total += (double)u[q] * (double)v[q];
+    return total;
+}
+
+/* sum_q u[q stride] v[q] over n floats, in float64 */
+__attribute__((noinline)) static double strided_dot(int64_t n, const float *restrict u, int64_t stride,
+                                                    const float *restrict v) {
+    double total = 0.0;
+    for (int64_t q = 0; q < n; q++)
+        total += (double)u[q * stride] * (double)v[q];
+    return total;
+}
+
+/* pre[c + sw] = col[c] + col[c - sw] + ... (the prefix sums along each stride-sw lattice of columns; pre[0, sw) = 0),
+ * so that sum_{q < n} col[b + sw q] = pre[b + sw n] - pre[b]; a running sum in a register per lattice */
+static void lattice_prefix(double *restrict pre, const double *restrict col, int64_t wp, int64_t sw) {
+    for (int64_t c0 = 0; c0 < sw; c0++) {
+        double run = 0.0;
+        pre[c0] = 0.0;
+        for (int64_t c = c0; c < wp; c += sw) {
+            run += col[c];
+            pre[c + sw] = run;
+        }
+    }
+}
+
+/* col[c] += sign * u[c] v[c] for c in [c0, c1), in float64 */
+__attribute__((noinline)) static void col_madd(double *restrict col, const float *restrict u, const float *restrict v,
+                                               int64_t c0, int64_t c1, double sign) {
+    for (int64_t c = c0; c < c1; c++)
+        col[c] += sign * ((double)u[c] * (double)v[c]);
+}
+
+/* The per-sample Gram matrices of a dilation-1 depthwise convolution (QuadraticLayerLoss,
+ * algorithms/reconstruction.py) from its zero-padded input planes, without im2col. A plane is one sample and one
+ * input channel (hp x wp floats); the kernel is kh x kw (k = kh kw weights, offset i = (a, b) = (i / kw, i % kw)),
+ * the stride sh x sw, the output ho x wo, m outputs per input channel. Output position (y, x) reads the plane at
+ * (sh y + a, sw x + b). For planes p in [p0, p1):
+ *   h[p, i, j] = sum_pos x(pos + o_i) x(pos + o_j)      (k x k)
+ *   g[p, o, i] = sum_pos r[p, o, pos] x(pos + o_i)      (m x k; r: [P, m, ho wo], skipped when NULL)
+ *   s[p, i]    = sum_pos x(pos + o_i)                   (k; skipped when NULL)
+ * the sums im2col's columns X (k x ho wo) give as h = X X^T, g = R X^T, s = X 1.
+ * h[i, j] depends on the offset difference d = o_j - o_i and the window start o_i = (a, b): it is the sum of the
+ * product plane x(q) x(q + d) over the strided ho x wo window at (a, b). For each of the (2 kh - 1)(2 kw - 1) / 2
+ * + 1 differences (the others by symmetry): the product plane's column sums over the window's rows, V_a[c] =
+ * sum_{y < ho} x(a + sh y, c) x(a + sh y + dy, c + dx) (vectorized along the rows; the window at a + sh adds one
+ * row to the one at a and drops one), then one prefix sum of V_a along each stride-sw lattice of columns gives
+ * every window's sum as a difference: about kh kw hp wp / (2 sh) multiply-adds per plane instead of k^2 ho wo, in
+ * float64. `table`: the caller's scratch of sh (wp + 1) + wp + sw doubles, `spread`: of hp wp floats. */
+void qt_depthwise_gram(int64_t p0, int64_t p1, int64_t hp, int64_t wp, int64_t kh, int64_t kw, int64_t sh,
+                       int64_t sw, int64_t ho, int64_t wo, int64_t m, const float *xp, const float *r, float *h,
+                       float *g, float *s, double *table, float *spread) {
+    int64_t k = kh * kw, plane = hp * wp, l = ho * wo;
+    double *cols = table, *pre = table + sh * (wp + 1); /* cols: V_a for a mod sh; pre: wp + sw */
+    for (int64_t p = p0; p < p1; p++) {
+        const float *x = xp + p * plane;
+        float *hh = h + p * k * k;
+        for (int64_t dy = 0; dy < kh; dy++)
+            for (int64_t dx = -(kw - 1); dx < kw; dx++) {
+                if (dy == 0 && dx < 0)
+                    continue; /* the transpose of dx > 0 */
+                /* products exist for columns c with 0 <= c + dx < wp */
+                int64_t c0 = dx < 0 ? -dx : 0, c1 = dx > 0 ? wp - dx : wp;
+                for (int64_t a = 0; a + dy < kh; a++) {
+                    double *col = cols + (a % sh) * (wp + 1); /* the windows at a, a + sh, ... share one */
+                    if (a < sh) { /* a fresh window */
+                        for (int64_t c = 0; c < wp; c++)
+                            col[c] = 0.0;
+                        for (int64_t y = 0; y < ho; y++)
+                            col_madd(col, x + (a + sh * y) * wp, x + (a + sh * y + dy) * wp + dx, c0, c1, 1.0);
+                    } else { /* the window at a - sh, moved down one stride */
+                        int64_t add = a - sh + sh * ho, drop = a - sh;
+                        col_madd(col, x + add * wp, x + (add + dy) * wp + dx, c0, c1, 1.0);
+                        col_madd(col, x + drop * wp, x + (drop + dy) * wp + dx, c0, c1, -1.0);
+                    }
+                    lattice_prefix(pre, col, wp, sw);
+                    for (int64_t b = 0; b < kw; b++) {
+                        if (b + dx < 0 || b + dx >= kw)
+                            continue;
+                        float v = (float)(pre[b + sw * wo] - pre[b]);
+                        int64_t i = a * kw + b, j = (a + dy) * kw + b + dx;
+                        hh[i * k + j] = v;
+                        hh[j * k + i] = v;
+                    }
+                }
+            }
+        if (s != NULL)
+            for (int64_t a = 0; a < kh; a++) {
+                double *col = cols;
+                for (int64_t c = 0; c < wp; c++)
+                    col[c] = 0.0;
+                for (int64_t y = 0; y < ho; y++)
+                    for (int64_t c = 0; c < wp; c++)
+                        col[c] += (double)x[(a + sh * y) * wp + c];
+                lattice_prefix(pre, col, wp, sw);
+                for (int64_t b = 0; b < kw; b++)
+                    s[p * k + a * kw + b] = (float)(pre[b + sw * wo] - pre[b]);
+            }
+        if (r != NULL && sw == 1)
+            for (int64_t o = 0; o < m; o++) {
+                /* the residual spread onto the plane's rows (row stride sh wp, zeros past wo): each g[o, i] is then
+                 * one contiguous dot product with the plane from offset o_i; the run stops after the last row's wo
+                 * values, so every read stays inside the plane */
+                const float *rr = r + (p * m + o) * l;
+                int64_t run = (ho - 1) * sh * wp + wo;
+                for (int64_t q = 0; q < run; q++)
+                    spread[q] = 0.0f;
+                for (int64_t y = 0; y < ho; y++)
+                    for (int64_t xx = 0; xx < wo; xx++)
+                        spread[y * sh * wp + xx] = rr[y * wo + xx];
+                for (int64_t i = 0; i < k; i++)
+                    g[(p * m + o) * k + i] = (float)dot(run, spread, x + (i / kw) * wp + i % kw);
+            }
+        else if (r != NULL)
+            for (int64_t o = 0; o < m; o++) {
+                const float *rr = r + (p * m + o) * l;
+                for (int64_t i = 0; i < k; i++) {
+                    int64_t a = i / kw, b = i % kw;
+                    double acc = 0.0;
+                    for (int64_t y = 0; y < ho; y++) {
+                        const float *u = x + (a + sh * y) * wp + b, *v = rr + y * wo;
+                        acc += sw == 1 ? dot(wo, u, v) : strided_dot(wo, u, sw, v);
+                    }
+                    g[(p * m + o) * k + i] = (float)acc;
+                }
+            }
+    }
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 1; }
+int qt_cpu_steps_version(void) { return 2; }

@@ -38,11 +38,11 @@ import torch
 from ..cache import cache_root, file_lock
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
-           "ENV_SWITCH"]
+           "depthwise_gram", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 1
+_VERSION = 2
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
 #: weights from this many elements up are split between torch's intra-op threads
@@ -139,7 +139,8 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
             lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr]
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
-            for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values):
+            lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
+            for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram):
                 f.restype = None
         else:
             warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
@@ -259,3 +260,34 @@ def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: 
     _run(library().qt_adaquant_values, layout, weight.data_ptr(), layout.scale.data_ptr(), _ptr(layout.zero_point),
          float(qmin), float(qmax), out.data_ptr(), outside.data_ptr())
     return out, outside
+
+
+def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.Tensor], h: torch.Tensor,
+                   g: Optional[torch.Tensor], s: Optional[torch.Tensor]) -> None:
+    """The per-sample Gram matrices of a dilation-1 depthwise convolution, written into ``h`` / ``g`` / ``s``,
+    from the zero-padded input ``xp`` (contiguous float32 ``[n, C, hp, wp]``; a plane is one sample's one channel)
+    and the residual ``r`` (contiguous float32 ``[n, C, m, ho * wo]``, ``m`` outputs per channel, or None), for
+    ``kernel = (kh, kw)``, ``stride = (sh, sw)``, ``out_hw = (ho, wo)``: ``h[n, C, k, k] = X X^T``,
+    ``g[n, C, m, k] = R X^T``, ``s[n, C, k] = X 1`` with ``X`` the plane's im2col columns (``k = kh * kw`` rows in
+    the weight's order, ``ho * wo`` positions), as :class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`
+    builds them, summed in float64 by sliding column sums (cpu_steps.c, ``qt_depthwise_gram``) instead of an
+    im2col copy and float32 products. ``g`` / ``s`` None: not computed. The planes are split between torch's
+    intra-op threads."""
+    (kh, kw), (sh, sw), (ho, wo) = kernel, stride, out_hw
+    n, c, hp, wp = xp.shape
+    planes = n * c
+    m = 1 if r is None else r.shape[2]
+    fn = library().qt_depthwise_gram
+    pool = _pool() if planes > 1 and xp.numel() >= PARALLEL_MIN else None
+    parts = 1 if pool is None else min(pool._max_workers, planes)
+    cuts = [planes * i // parts for i in range(parts + 1)]
+    scratch = torch.empty(parts, sh * (wp + 1) + wp + sw, dtype=torch.float64)
+    spread = torch.empty(parts, hp * wp, dtype=torch.float32)
+    args = [(a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r), h.data_ptr(), _ptr(g), _ptr(s),
+             scratch[i].data_ptr(), spread[i].data_ptr()) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+    if pool is None:
+        for a in args:
+            fn(*a)
+    else:
+        for f in [pool.submit(fn, *a) for a in args]:
+            f.result()

@@ -133,3 +133,58 @@ def test_switch_off_and_cached_build(tmp_path):
     env_bad = dict(env_on, CC="/nonexistent/cc", QTORCH_ONNX_CACHE=str(tmp_path / "other"), PATH="")
     out = subprocess.run([sys.executable, "-c", code], env=env_bad, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"] and "fused CPU steps are unavailable" in out.stderr
+
+
+@pytest.mark.parametrize("channels,size,kernel,stride,padding,multiplier", [
+    (6, 14, 5, 1, 2, 1), (4, 21, 3, 2, 1, 2), (5, 20, 3, 1, 0, 1), (3, 33, (3, 5), (2, 3), (1, 2), 1),
+    (2, 16, (1, 3), 1, (0, 1), 3),
+])
+def test_depthwise_gram_equals_im2col(channels, size, kernel, stride, padding, multiplier):
+    """The sliding-sum Gram matrices of a depthwise convolution equal im2col's ``X X^T``, ``R X^T``, ``X 1`` (float64
+    references) to float32 rounding, strides, rectangular kernels and several outputs per channel included."""
+    from qtorch_onnx.algorithms.reconstruction import _columns
+
+    gen = torch.Generator().manual_seed(4)
+    conv = torch.nn.Conv2d(channels, channels * multiplier, kernel, stride=stride, padding=padding, groups=channels)
+    x = torch.randn(3, channels, size, size + 3, generator=gen)
+    with torch.no_grad():
+        y = conv(x)
+    ho, wo = y.shape[-2:]
+    r = torch.randn(y.shape, generator=gen)
+    cols = _columns(conv, x).double()  # [n, C, k, L]
+    ref_h = cols @ cols.transpose(-1, -2)
+    ref_g = r.double().reshape(3, channels, multiplier, -1) @ cols.transpose(-1, -2)
+    ref_s = cols.sum(-1)
+    k = cols.shape[2]
+    ph, pw = conv.padding
+    xp = torch.nn.functional.pad(x, (pw, pw, ph, ph)).contiguous()
+    h, g, s = torch.empty(3, channels, k, k), torch.empty(3, channels, multiplier, k), torch.empty(3, channels, k)
+    cpu_steps.depthwise_gram(xp, conv.kernel_size, conv.stride, (ho, wo),
+                             r.reshape(3, channels, multiplier, -1).contiguous(), h, g, s)
+    for got, ref in ((h, ref_h), (g, ref_g), (s, ref_s)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    assert torch.equal(h, h.transpose(-1, -2))
+
+
+def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypatch):
+    """QuadraticLayerLoss builds a wide-enough depthwise layer's matrices with the sliding sums, and its loss and
+    gradient agree with the im2col build's."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    gen = torch.Generator().manual_seed(6)
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    x = torch.randn(6, 8, 16, 16, generator=gen)
+    with torch.no_grad():
+        target = conv(x) + 0.1 * torch.randn(6, 8, 16, 16, generator=gen)
+    assert rc._fused_depthwise(conv, x, 256) == (1, 1, 1, 1, 16, 16)
+    quads = [rc.QuadraticLayerLoss(conv, x, target, train_bias=True)]
+    monkeypatch.setattr(rc, "_fused_depthwise", lambda *a: None)
+    quads.append(rc.QuadraticLayerLoss(conv, x, target, train_bias=True))
+    idx = torch.tensor([0, 3, 3, 5])
+    w = conv.weight.detach() + 0.01 * torch.randn(conv.weight.shape, generator=gen)
+    b = conv.bias.detach() + 0.01
+    (gw0, gb0, l0), (gw1, gb1, l1) = (q.gradient(idx, w, bias=b) for q in quads)
+    torch.testing.assert_close(gw0, gw1, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gb0, gb1, rtol=1e-4, atol=1e-6)
+    assert abs(float(l0) - float(l1)) <= 1e-5 * abs(float(l1))
+    assert abs(quads[0].start_value() - quads[1].start_value()) == 0.0
