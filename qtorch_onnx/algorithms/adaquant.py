@@ -120,16 +120,27 @@ class AdaQuantStep:
         return out
 
     @torch.no_grad()
-    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0) -> None:
+    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0,
+                  optimizer=None) -> None:
         """Set ``weight.grad`` (and ``bias.grad``) from ``grads = [dL/dwq (, dL/dbq)]`` for the values of the
-        last :meth:`values` call (``beta`` / ``reg_param``: unused, AdaQuant has no regulariser)."""
+        last :meth:`values` call (``beta`` / ``reg_param``: unused, AdaQuant has no regulariser). With the fused
+        CPU loop and an ``optimizer`` that offers ``fused_moments`` (fast finetune's Adam), Adam's step on the
+        weight is taken in the same pass as its straight-through gradient and ``weight.grad`` stays None."""
         if self._saved is None:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
         gw = grads[0].reshape(self.weight.shape)
+        moments = getattr(optimizer, "fused_moments", None)
+        if self.layout is not None and moments is not None:
+            from . import cpu_steps
+
+            cpu_steps.adaquant_adam(self.layout, self.weight.detach(), gw.contiguous(), outside,
+                                    moments(self.weight))
+            self.weight.grad = None
+        else:
         # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused Adam
         # rejects any other layout
-        self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
+            self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
         if self.bias is not None:
             self.bias.grad = torch.mul(grads[1].reshape(self.bias.shape), bias_mask, out=torch.empty_like(self.bias))
         self._saved = None

@@ -190,8 +190,20 @@ class AdaRoundStep:
         """``[wq]``: :meth:`weight` as fast finetune's loop takes the quantized tensors of a step."""
         return [self.weight()]
 
-    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0) -> None:
-        """:meth:`backward` with ``grads = [dL/dwq]``."""
+    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0,
+                  optimizer=None) -> None:
+        """:meth:`backward` with ``grads = [dL/dwq]``. With the fused CPU loops and an ``optimizer`` that offers
+        ``fused_moments`` (fast finetune's Adam), Adam's step on ``alpha`` is taken in the same pass and
+        ``alpha.grad`` stays None (the optimizer's own step then skips it)."""
+        moments = getattr(optimizer, "fused_moments", None)
+        if self.layout is not None and moments is not None and self._saved is not None:
+            from . import cpu_steps
+
+            cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo, self.hi,
+                                    grads[0].contiguous(), beta, reg_param, adam=moments(self.alpha))
+            self.alpha.grad = None
+            self._saved = None
+            return
         self.backward(grads[0], beta, reg_param)
 
     @torch.no_grad()

@@ -18,6 +18,9 @@
  * 2e-6 for |d|^p), so the values differ from torch's in the last bits: the step is an optimisation, and
  * export writes the hard rounding (alpha >= 0), which the quantizer computes, not this file.
  *
+ * With Adam's moments the gradient functions also take Adam's step on the trained tensor in place (one pass over
+ * the parameter, its gradient and moments instead of two; torch.optim.Adam's arithmetic, not its bits).
+ *
  * AdaQuant (Hubara et al. 2021, arXiv 2006.10518), integer weight with the straight-through estimator:
  *   v = round_half_even(w / scale) + zp;  wq = (nan_to_num(clamp(v, qmin, qmax), qmin) - zp) * scale
  *   outside = 1 where v lies outside [qmin, qmax] (saturated), else 0 (NaN included, as the torch step)
@@ -57,8 +60,9 @@ static inline float exp2_approx(float y) {
     return p * b.f;
 }
 
-/* log2(x) for a positive normal x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log2(m) = (2 / ln 2) atanh(t),
- * t = (m - 1) / (m + 1) in [-0.172, 0.172], by its series to t^9 (truncation below 3e-9) */
+/* log2(x) for a positive normal x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log2(m) = t p(t) with t = m - 1 and p
+ * the degree-7 polynomial fitted to log2(1 + t) / t by least squares at 4000 Chebyshev nodes of
+ * [sqrt(1/2) - 1, sqrt(2) - 1] (absolute error about 1e-7 in float32); no division */
 static inline float log2_approx(float x) {
     bits32 b;
     b.f = x;
@@ -68,14 +72,16 @@ static inline float log2_approx(float x) {
     int big = m > 1.41421356f;
     m = big ? m * 0.5f : m;
     e += big;
-    float t = (m - 1.0f) / (m + 1.0f);
-    float t2 = t * t;
-    float s = 1.0f / 9.0f;
-    s = s * t2 + 1.0f / 7.0f;
-    s = s * t2 + 1.0f / 5.0f;
-    s = s * t2 + 1.0f / 3.0f;
-    s = s * t2 + 1.0f;
-    return (float)e + 2.8853900818f * t * s;
+    float t = m - 1.0f;
+    float p = -1.430238252e-01f;
+    p = p * t + 2.357155397e-01f;
+    p = p * t - 2.504973469e-01f;
+    p = p * t + 2.868851178e-01f;
+    p = p * t - 3.600646634e-01f;
+    p = p * t + 4.809323190e-01f;
+    p = p * t - 7.213575746e-01f;
+    p = p * t + 1.442694821e+00f;
+    return (float)e + t * p;
 }
 
 static inline float sigmoid_approx(float a) { return 1.0f / (1.0f + exp2_approx(-1.44269504089f * a)); }
@@ -100,53 +106,86 @@ void qt_adaround_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner,
     }
 }
 
-/* the gradient without the regulariser (AdaRound's warm start) */
-__attribute__((noinline)) static void adaround_grad_row(int64_t n, const float *restrict alpha,
-                                                       const float *restrict fl, float scale_dh, float zp, float lo,
-                                                       float hi, const float *restrict gwq, float *restrict out) {
+/* Adam's update of one element (Kingma and Ba 2015, Algorithm 1, with torch.optim.Adam's arithmetic: the first
+ * moment by lerp, the bias corrections folded into step = lr / (1 - b1^t) and inv_c2 = 1 / sqrt(1 - b2^t)) */
+typedef struct {
+    float *m, *v;      /* the moments, laid out like the parameter */
+    float b1, b2, eps; /* betas, epsilon */
+    float step, inv_c2;
+} adam_t;
+
+static inline float adam_update(float p, float g, float *m, float *v, float b1, float b2, float eps, float step,
+                                float inv_c2) {
+    float mm = *m + (g - *m) * (1.0f - b1);
+    float vv = *v * b2 + (1.0f - b2) * g * g;
+    *m = mm;
+    *v = vv;
+    return p - step * mm / (sqrtf(vv) * inv_c2 + eps);
+}
+
+/* the gradient without the regulariser (AdaRound's warm start); with `adam`, alpha is updated in place instead */
+__attribute__((noinline)) static void adaround_grad_row(int64_t n, float *restrict alpha, const float *restrict fl,
+                                                       float scale_dh, float zp, float lo, float hi,
+                                                       const float *restrict gwq, float *restrict out,
+                                                       float *restrict m, float *restrict v, float b1, float b2,
+                                                       float eps, float step, float inv_c2) {
     for (int64_t i = 0; i < n; i++) {
         float s = sigmoid_approx(alpha[i]);
         float hr = s * (ZETA - GAMMA) + GAMMA;
         float h = clampf(hr, 0.0f, 1.0f);
-        float v = fl[i] + h + zp;
-        float inside = (float)((v >= lo) & (v <= hi));
+        float x = fl[i] + h + zp;
+        float inside = (float)((x >= lo) & (x <= hi));
         float rect = (float)(hr == h);
-        out[i] = gwq[i] * scale_dh * inside * (s * (1.0f - s) * rect);
+        float g = gwq[i] * scale_dh * inside * (s * (1.0f - s) * rect);
+        if (m != NULL)
+            alpha[i] = adam_update(alpha[i], g, m + i, v + i, b1, b2, eps, step, inv_c2);
+        else
+            out[i] = g;
     }
 }
 
 /* with the regulariser's gradient: coef = -2 beta reg (zeta - gamma), p = beta - 1 */
-__attribute__((noinline)) static void adaround_grad_reg_row(int64_t n, const float *restrict alpha,
+__attribute__((noinline)) static void adaround_grad_reg_row(int64_t n, float *restrict alpha,
                                                            const float *restrict fl, float scale_dh, float zp,
                                                            float lo, float hi, const float *restrict gwq, float p,
-                                                           float coef, float *restrict out) {
+                                                           float coef, float *restrict out, float *restrict m,
+                                                           float *restrict v, float b1, float b2, float eps,
+                                                           float step, float inv_c2) {
     for (int64_t i = 0; i < n; i++) {
         float s = sigmoid_approx(alpha[i]);
         float hr = s * (ZETA - GAMMA) + GAMMA;
         float h = clampf(hr, 0.0f, 1.0f);
-        float v = fl[i] + h + zp;
-        float inside = (float)((v >= lo) & (v <= hi));
+        float x = fl[i] + h + zp;
+        float inside = (float)((x >= lo) & (x <= hi));
         float rect = (float)(hr == h);
         float d = 2.0f * h - 1.0f;
         float ad = fabsf(d);
         ad = ad > 1e-30f ? ad : 1e-30f; /* |d| = 0 gives 2^(p log2(1e-30)) = 0 for p >= 1 */
         float pw = exp2_approx(p * log2_approx(ad));
-        float g = gwq[i] * scale_dh * inside + coef * copysignf(pw, d);
-        out[i] = g * (s * (1.0f - s) * rect);
+        float g = (gwq[i] * scale_dh * inside + coef * copysignf(pw, d)) * (s * (1.0f - s) * rect);
+        if (m != NULL)
+            alpha[i] = adam_update(alpha[i], g, m + i, v + i, b1, b2, eps, step, inv_c2);
+        else
+            out[i] = g;
     }
 }
 
-void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *alpha, const float *fl,
+/* dL/dalpha into out; or, with the moments m / v (not NULL), Adam's step on alpha in place (lr_c1 = lr / (1 - b1^t),
+ * inv_c2 = 1 / sqrt(1 - b2^t)), the gradient never stored */
+void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *alpha, const float *fl,
                       const float *scale, const float *zp, float lo, float hi, const float *gwq, float beta,
-                      float reg, float *out) {
+                      float reg, float *out, float *m, float *v, float b1, float b2, float eps, float lr_c1,
+                      float inv_c2) {
     for (int64_t r = r0; r < r1; r++) {
         int64_t c = r % channels, o = r * inner;
         float sdh = scale[c] * (ZETA - GAMMA), z = zp ? zp[c] : 0.0f;
+        float *oo = out ? out + o : NULL, *mm = m ? m + o : NULL, *vv = v ? v + o : NULL;
         if (reg != 0.0f)
             adaround_grad_reg_row(inner, alpha + o, fl + o, sdh, z, lo, hi, gwq + o, beta - 1.0f,
-                                  -2.0f * beta * reg * (ZETA - GAMMA), out + o);
+                                  -2.0f * beta * reg * (ZETA - GAMMA), oo, mm, vv, b1, b2, eps, lr_c1, inv_c2);
         else
-            adaround_grad_row(inner, alpha + o, fl + o, sdh, z, lo, hi, gwq + o, out + o);
+            adaround_grad_row(inner, alpha + o, fl + o, sdh, z, lo, hi, gwq + o, oo, mm, vv, b1, b2, eps, lr_c1,
+                              inv_c2);
     }
 }
 
@@ -160,6 +199,23 @@ __attribute__((noinline)) static void adaquant_values_row(int64_t n, const float
         outside[i] = (float)((v < lo) | (v > hi)); /* NaN: 0, as torch.sign(NaN) gives in the torch step */
         out[i] = (c - zp) * scale;
     }
+}
+
+/* AdaQuant's straight-through gradient dL/dw = dL/dwq (1 - outside) and Adam's step on w in place */
+__attribute__((noinline)) static void adaquant_adam_row(int64_t n, float *restrict w, const float *restrict gwq,
+                                                       const float *restrict outside, float *restrict m,
+                                                       float *restrict v, float b1, float b2, float eps, float step,
+                                                       float inv_c2) {
+    for (int64_t i = 0; i < n; i++)
+        w[i] = adam_update(w[i], gwq[i] - gwq[i] * outside[i], m + i, v + i, b1, b2, eps, step, inv_c2);
+}
+
+void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gwq,
+                      const float *outside, float *m, float *v, float b1, float b2, float eps, float lr_c1,
+                      float inv_c2) {
+    (void)channels;
+    adaquant_adam_row((r1 - r0) * inner, w + r0 * inner, gwq + r0 * inner, outside + r0 * inner, m + r0 * inner,
+                      v + r0 * inner, b1, b2, eps, lr_c1, inv_c2);
 }
 
 void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *w, const float *scale,
@@ -312,4 +368,4 @@ void qt_depthwise_gram(int64_t p0, int64_t p1, int64_t hp, int64_t wp, int64_t k
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 2; }
+int qt_cpu_steps_version(void) { return 3; }

@@ -38,11 +38,11 @@ import torch
 from ..cache import cache_root, file_lock
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
-           "depthwise_gram", "ENV_SWITCH"]
+           "adaquant_adam", "depthwise_gram", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 2
+_VERSION = 3
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
 #: weights from this many elements up are split between torch's intra-op threads
@@ -137,10 +137,13 @@ def library() -> Optional[ctypes.CDLL]:
             i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
             rows = [i64, i64, i64, i64]
             lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
-            lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr]
+            adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
+            lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam
+            lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
-            for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram):
+            for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
+                      lib.qt_adaquant_adam):
                 f.restype = None
         else:
             warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
@@ -240,16 +243,46 @@ def adaround_values(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor,
 
 
 def adaround_grad(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor, qmin: float, qmax: float,
-                  grad_wq: torch.Tensor, beta: Optional[float], reg_param: float) -> torch.Tensor:
+                  grad_wq: torch.Tensor, beta: Optional[float], reg_param: float, adam=None) -> Optional[torch.Tensor]:
     """``dL/dalpha`` (float32, ``alpha``'s shape) for ``grad_wq = dL/dwq`` (contiguous float32, the weight's
     shape) plus ``reg_param`` times the gradient of AdaRound's regulariser at ``beta`` (left out when ``beta``
-    is None or ``reg_param`` is 0), as :meth:`AdaRoundStep.backward` computes it."""
-    out = torch.empty_like(alpha)
+    is None or ``reg_param`` is 0), as :meth:`AdaRoundStep.backward` computes it. With ``adam`` (an
+    :class:`AdamMoments`): Adam's step on ``alpha`` in place from that gradient, in the same pass (returns None)."""
+    out = None if adam is not None else torch.empty_like(alpha)
     reg = float(reg_param) if beta is not None else 0.0
     _run(library().qt_adaround_grad, layout, alpha.data_ptr(), floor.data_ptr(), layout.scale.data_ptr(),
-         _ptr(layout.zero_point), float(qmin), float(qmax), grad_wq.data_ptr(), float(beta or 0.0), reg,
-         out.data_ptr())
+         _ptr(layout.zero_point), float(qmin), float(qmax), grad_wq.data_ptr(), float(beta or 0.0), reg, _ptr(out),
+         *_adam_args(adam))
     return out
+
+
+@dataclass(frozen=True)
+class AdamMoments:
+    """One Adam step's state for a fused update: the moments (float32, contiguous, the parameter's layout; updated
+    in place), betas, epsilon, ``lr / (1 - beta1^t)`` and ``1 / sqrt(1 - beta2^t)`` for the step number ``t``."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    lr_c1: float
+    inv_c2: float
+
+
+def _adam_args(adam: Optional[AdamMoments]):
+    if adam is None:
+        return (None, None, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return (adam.exp_avg.data_ptr(), adam.exp_avg_sq.data_ptr(), adam.beta1, adam.beta2, adam.eps, adam.lr_c1,
+            adam.inv_c2)
+
+
+def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor, outside: torch.Tensor,
+                  adam: AdamMoments) -> None:
+    """AdaQuant's straight-through gradient ``dL/dw = dL/dwq * (1 - outside)`` and Adam's step on ``weight`` (in
+    place) in one pass; all contiguous float32 of the weight's shape."""
+    _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), outside.data_ptr(),
+         *_adam_args(adam))
 
 
 def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: float):

@@ -575,7 +575,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 grads = [g_quad] if quad is not None else [[v.grad for v in vs] for vs in vals]
                 for (st, _), vs, gs in zip(steps, vals, grads):
                     st.set_grads([g if g is not None else torch.zeros_like(v) for v, g in zip(vs, gs)], beta,
-                                 s.reg_param)
+                                 s.reg_param, optimizer=opt)
             elif beta is not None:
                 (s.reg_param * sum(h.regularizer(beta) for h in hooks)).backward()
             opt.step()
@@ -707,22 +707,41 @@ class _FusedAdam:
     def __init__(self, params: List[torch.Tensor], lr: float) -> None:
         self.params, self.lr = list(params), float(lr)
         self.state: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.counts: Dict[int, int] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+
+    def _state(self, p: torch.Tensor):
+        if id(p) not in self.state:
+            self.state[id(p)] = (torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 torch.zeros((), dtype=torch.float32, device=p.device))
+        return self.state[id(p)]
+
+    @torch.no_grad()
+    def fused_moments(self, p: torch.Tensor):
+        """This step's :class:`~qtorch_onnx.algorithms.cpu_steps.AdamMoments` for ``p`` (a contiguous float32 CPU
+        parameter of this optimizer), its step count advanced: for the written-out steps that take Adam's step
+        themselves, in the pass that computes the gradient (cpu_steps.c). The same state and bias corrections
+        as :meth:`step`; the arithmetic is torch.optim.Adam's, the bits may differ in the last place."""
+        from .cpu_steps import AdamMoments
+
+        exp_avg, exp_avg_sq, count = self._state(p)
+        count.add_(1)  # the state as step() keeps it; the host's count beside it (no tensor read)
+        t = self.counts[id(p)] = self.counts.get(id(p), 0) + 1
+        return AdamMoments(exp_avg, exp_avg_sq, 0.9, 0.999, 1e-8, self.lr / (1.0 - 0.9 ** t),
+                           1.0 / math.sqrt(1.0 - 0.999 ** t))
 
     @torch.no_grad()
     def step(self) -> None:
         ps = [p for p in self.params if p.grad is not None]
         if not ps:
             return
+        st = [self._state(p) for p in ps]
         for p in ps:
-            if id(p) not in self.state:
-                self.state[id(p)] = (torch.zeros_like(p, memory_format=torch.preserve_format),
-                                     torch.zeros_like(p, memory_format=torch.preserve_format),
-                                     torch.zeros((), dtype=torch.float32, device=p.device))
-        st = [self.state[id(p)] for p in ps]
+            self.counts[id(p)] = self.counts.get(id(p), 0) + 1
         steps = [t[2] for t in st]
         torch._foreach_add_(steps, 1)
         torch._fused_adam_(ps, [p.grad for p in ps], [t[0] for t in st], [t[1] for t in st], [], steps,

@@ -188,3 +188,33 @@ def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypat
     torch.testing.assert_close(gb0, gb1, rtol=1e-4, atol=1e-6)
     assert abs(float(l0) - float(l1)) <= 1e-5 * abs(float(l1))
     assert abs(quads[0].start_value() - quads[1].start_value()) == 0.0
+
+
+def test_fused_adam_step_matches_torch_adam():
+    """The gradient passes that take Adam's step themselves (AdaRound's alpha, AdaQuant's weight) move the
+    parameter as torch's Adam does on the same gradients, step after step, to float32 rounding."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    gen = torch.Generator().manual_seed(7)
+    shape = (12, 40)
+    w = torch.randn(shape, generator=gen)
+    scale = (w.abs().amax(dim=1) / 127).reshape(-1, 1)
+    layout = cpu_steps.RowLayout.of(w, scale, None, 0)
+    alpha0, floor = torch.randn(shape, generator=gen), torch.floor(w / scale)
+    fused, plain = alpha0.clone(), alpha0.clone()
+    opt_f, opt_p = _FusedAdam([fused], 0.01), torch.optim.Adam([plain], lr=0.01)
+    wf, wp = w.clone(), w.clone()
+    opt_wf, opt_wp = _FusedAdam([wf], 1e-3), torch.optim.Adam([wp], lr=1e-3)
+    for it in range(6):
+        gwq = torch.randn(shape, generator=gen)
+        beta = None if it < 2 else 10.0 - it
+        cpu_steps.adaround_grad(layout, fused, floor, -128, 127, gwq, beta, 0.01, adam=opt_f.fused_moments(fused))
+        plain.grad = cpu_steps.adaround_grad(layout, plain, floor, -128, 127, gwq, beta, 0.01)
+        opt_p.step()
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+        wq, outside = cpu_steps.adaquant_values(layout, wf, -128, 127)
+        cpu_steps.adaquant_adam(layout, wf, gwq, outside, opt_wf.fused_moments(wf))
+        wp.grad = gwq * (1 - cpu_steps.adaquant_values(layout, wp, -128, 127)[1])
+        opt_wp.step()
+        torch.testing.assert_close(wf, wp, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(fused, alpha0) and float(opt_f.state[id(fused)][2]) == 6.0
