@@ -123,7 +123,9 @@ static inline float adam_update(float p, float g, float *m, float *v, float b1, 
     return p - step * mm / (sqrtf(vv) * inv_c2 + eps);
 }
 
-/* the gradient without the regulariser (AdaRound's warm start); with `adam`, alpha is updated in place instead */
+/* the gradient without the regulariser (AdaRound's warm start); with `adam`, alpha is updated in place instead.
+ * This loop and the next are written out twice on purpose: folded into one always-inlined body with a constant
+ * flag for the regulariser, GCC 12 no longer vectorizes either (14 ms instead of 1.2 ms on 655k weights) */
 __attribute__((noinline)) static void adaround_grad_row(int64_t n, float *restrict alpha, const float *restrict fl,
                                                        float scale_dh, float zp, float lo, float hi,
                                                        const float *restrict gwq, float *restrict out,
