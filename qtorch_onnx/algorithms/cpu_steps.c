@@ -48,13 +48,11 @@ static inline float exp2_approx(float y) {
     y = clampf(y, -126.0f, 126.0f);
     float k = rintf(y);
     float f = y - k;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    /* Estrin's scheme (pairs, then powers of f): three multiply-add steps deep instead of Horner's six */
+    float f2 = f * f, f4 = f2 * f2;
+    float p01 = 1.0f + 6.9314718e-1f * f, p23 = 2.4022651e-1f + 5.5504109e-2f * f;
+    float p45 = 9.6181291e-3f + 1.3333558e-3f * f;
+    float p = p01 + f2 * p23 + f4 * (p45 + f2 * 1.5403530e-4f);
     bits32 b;
     b.u = (uint32_t)((int32_t)k + 127) << 23;
     return p * b.f;
@@ -73,14 +71,11 @@ static inline float log2_approx(float x) {
     m = big ? m * 0.5f : m;
     e += big;
     float t = m - 1.0f;
-    float p = -1.430238252e-01f;
-    p = p * t + 2.357155397e-01f;
-    p = p * t - 2.504973469e-01f;
-    p = p * t + 2.868851178e-01f;
-    p = p * t - 3.600646634e-01f;
-    p = p * t + 4.809323190e-01f;
-    p = p * t - 7.213575746e-01f;
-    p = p * t + 1.442694821e+00f;
+    /* Estrin's scheme: pairs, then powers of t (three multiply-add steps deep instead of Horner's eight) */
+    float t2 = t * t, t4 = t2 * t2;
+    float p01 = 1.442694821e+00f - 7.213575746e-01f * t, p23 = 4.809323190e-01f - 3.600646634e-01f * t;
+    float p45 = 2.868851178e-01f - 2.504973469e-01f * t, p67 = 2.357155397e-01f - 1.430238252e-01f * t;
+    float p = (p01 + t2 * p23) + t4 * (p45 + t2 * p67);
     return (float)e + t * p;
 }
 

@@ -520,10 +520,11 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # Without QDrop the generator draws nothing but the mini-batches: draw them all at once (the same numbers
     # as one draw per mini-batch) and put them on the device in one copy, instead of a host-to-device copy per
     # mini-batch (each a synchronisation on a GPU)
-    table = dev_table = None
+    table = dev_table = rows = None
     if s.drop_ratio >= 1.0:
         table = torch.randint(0, n, (s.num_iterations * s.num_batches, bs), generator=gen)
         dev_table = table.to(device) if quad is None else None
+        rows = table.tolist() if quad is not None else None  # the Gram matrices sum samples by Python index
     draw = 0
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
@@ -538,7 +539,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         for pq, v in zip(pqs, vs):
                             pq.override = v.requires_grad_()
             for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
-                idx = torch.randint(0, n, (bs,), generator=gen) if table is None else table[draw]
+                idx = torch.randint(0, n, (bs,), generator=gen) if table is None else \
+                    rows[draw] if rows is not None else table[draw]
                 draw += 1
                 if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
                     if vals is not None:  # host indices: no device round trip
@@ -565,9 +567,10 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 v = loss.detach().double()
                 rec_value = v if rec_value is None else rec_value + v
                 loss.backward()
-            bad = ~torch.isfinite(rec_value)
-            nonfinite = bad if nonfinite is None else nonfinite | bad
-            if (it + 1) % DIVERGENCE_CHECK == 0 and bool(nonfinite):
+            # the sum of every loss so far: non-finite once any loss was (NaN and infinities survive a sum), one
+            # addition an iteration instead of a test and an or
+            nonfinite = rec_value if nonfinite is None else nonfinite + rec_value
+            if (it + 1) % DIVERGENCE_CHECK == 0 and not bool(torch.isfinite(nonfinite)):
                 diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
                 break
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
@@ -585,7 +588,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 window_sum = rec_value if window_sum is None else window_sum + rec_value
                 seen += 1
                 if seen == window:
-                    if bool(nonfinite):  # a non-finite window mean is no progress: stop as diverged
+                    if not bool(torch.isfinite(nonfinite)):  # a non-finite window mean is no progress: stop
                         diverged = True
                         break
                     mean, window_sum, seen = float(window_sum) / window, None, 0
@@ -597,7 +600,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         for _, pqs in steps or ():
             for pq in pqs:
                 pq.override = None
-    if not diverged and nonfinite is not None and bool(nonfinite):
+    if not diverged and nonfinite is not None and not bool(torch.isfinite(nonfinite)):
         diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
     it_bar.close()

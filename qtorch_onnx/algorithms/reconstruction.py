@@ -549,8 +549,8 @@ class QuadraticLayerLoss:
             return None
         return f"quadratic loss ({gram_bytes / 2**20:.1f} MiB of Gram matrices, {forward / quadratic:.0f}x fewer MACs)"
 
-    def _batch(self, idx: torch.Tensor):
-        ids = idx.tolist()
+    def _batch(self, idx):
+        ids = idx.tolist() if isinstance(idx, torch.Tensor) else idx
 
         def total(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # sum of the selected samples, in order
             if t is None:
@@ -570,17 +570,22 @@ class QuadraticLayerLoss:
         m = self.module
         g, k, out = self.groups, self.k, self.out
         wq = m.weight if weight is None else weight
-        w = wq.detach().reshape(g, out // g, k).to(dtype) - self.w0.to(dtype)  # dw
-        H, G, const, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in self._batch(idx))
+        f32 = dtype == torch.float32  # the iterations' case: no conversions (each a dispatch, even when a no-op)
+        w = wq.detach().reshape(g, out // g, k)
+        w = w - self.w0 if f32 and w.dtype == dtype else w.to(dtype) - self.w0.to(dtype)  # dw
+        H, G, const, S, Y = self._batch(idx)
+        if not f32:
+            H, G, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (H, G, S, Y))
         R = torch.matmul(w, H).sub_(G)                    # H dw - G
         wf = w.reshape(-1)
         # dw.(H dw - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
         sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const
-        nl = idx.numel() * self.length
+        nl = len(idx) * self.length
         bq, gb = None, None
         if self.train_bias:
             bq = m.bias if bias is None else bias
-            b = bq.detach().reshape(out).to(dtype) - self.b0.to(dtype)  # db
+            b = bq.detach().reshape(out)
+            b = b - self.b0 if f32 and b.dtype == dtype else b.to(dtype) - self.b0.to(dtype)  # db
             ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # dw_o . s
             sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
             if want_grad:
@@ -595,10 +600,10 @@ class QuadraticLayerLoss:
         return math.fsum(self._c) / (len(self._c) * self.denominator)
 
     def value(self, idx: torch.Tensor) -> float:
-        """The loss of the samples ``idx`` (int64 ``[B]``, repeats allowed), as ``_rec_loss`` would give it
-        (the products in float64)."""
+        """The loss of the samples ``idx`` (int64 ``[B]`` or a list of ints, repeats allowed), as ``_rec_loss``
+        would give it (the products in float64)."""
         with torch.no_grad():
-            return float(self._evaluate(idx, False, torch.float64)[4]) / (idx.numel() * self.denominator)
+            return float(self._evaluate(idx, False, torch.float64)[4]) / (len(idx) * self.denominator)
 
     def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0,
                  bias: Optional[torch.Tensor] = None
@@ -614,7 +619,7 @@ class QuadraticLayerLoss:
             raise ValueError(f"QuadraticLayerLoss.gradient: train_bias={self.train_bias} needs "
                              f"{'a' if self.train_bias else 'no'} bias")
         _, R, _, gb, sse = self._evaluate(idx, True, weight=weight, bias=bias)
-        f = factor / (idx.numel() * self.denominator)
+        f = factor / (len(idx) * self.denominator)
         return (R.mul_(2.0 * f).reshape(weight.shape), None if gb is None else gb.mul_(f).reshape(bias.shape),
                 sse * f)
 
