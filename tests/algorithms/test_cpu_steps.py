@@ -3,6 +3,7 @@ AdaQuant's weight bit for bit (NaN, infinities, signed zeros, saturation), AdaRo
 float32 rounding, the row split between threads, the build cache and the switch that turns them off."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -122,7 +123,8 @@ def test_switch_off_and_cached_build(tmp_path):
     """QTORCH_ONNX_CPU_STEPS=0 leaves the steps in torch; a second process finds the cached library."""
     code = ("import os, torch; from qtorch_onnx.algorithms import cpu_steps as c; "
             "print(c.available(), c.RowLayout.of(torch.ones(4, 4), torch.ones(()), None, None) is not None)")
-    env_off = {"QTORCH_ONNX_CPU_STEPS": "0", "QTORCH_ONNX_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env_off = {"QTORCH_ONNX_CPU_STEPS": "0", "QTORCH_ONNX_CACHE": str(tmp_path), "PATH": os.environ.get("PATH", ""),
+               **({"CC": os.environ["CC"]} if os.environ.get("CC") else {})}
     out = subprocess.run([sys.executable, "-c", code], env=env_off, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
     env_on = dict(env_off, QTORCH_ONNX_CPU_STEPS="1")
