@@ -202,31 +202,39 @@ class RowLayout:
         return RowLayout(rows, channels, n // rows, flat(scale), zp)
 
 
-def _pool() -> Optional[ThreadPoolExecutor]:
+def _pool():
+    """``(executor, workers)`` for torch's intra-op thread count, or None at one thread."""
     threads = torch.get_num_threads()
     if threads <= 1:
         return None
     pool = _state.get("pool")
-    if pool is None or pool._max_workers != threads:
+    if pool is None or pool[1] != threads:
         if pool is not None:
-            pool.shutdown(wait=False)
-        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="qtorch_cpu_steps")
+            pool[0].shutdown(wait=False)
+        pool = _state["pool"] = (ThreadPoolExecutor(threads, thread_name_prefix="qtorch_cpu_steps"), threads)
     return pool
+
+
+def _split(fn, count: int, pool, args_of) -> None:
+    """``fn(*args_of(i, a, b))`` over ``count`` items cut into ``[a, b)`` ranges: one call without ``pool``, else one
+    range per worker, waited for (a C call releases the GIL, so the ranges run in parallel)."""
+    parts = 1 if pool is None else min(pool[1], count)
+    cuts = [count * i // parts for i in range(parts + 1)]
+    ranges = [(i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+    if pool is None:
+        for i, a, b in ranges:
+            fn(*args_of(i, a, b))
+        return
+    for f in [pool[0].submit(fn, *args_of(i, a, b)) for i, a, b in ranges]:
+        f.result()
 
 
 def _run(fn, layout: RowLayout, *args) -> None:
     """``fn(r0, r1, channels, inner, *args)`` over all rows: one call, or row ranges on torch's intra-op thread
     count for weights of ``PARALLEL_MIN`` elements or more."""
-    rows, n = layout.rows, layout.rows * layout.inner
+    n = layout.rows * layout.inner
     pool = _pool() if n >= PARALLEL_MIN and layout.rows > 1 else None
-    if pool is None:
-        fn(0, rows, layout.channels, layout.inner, *args)
-        return
-    parts = min(pool._max_workers, rows)
-    cuts = [rows * i // parts for i in range(parts + 1)]
-    futures = [pool.submit(fn, a, b, layout.channels, layout.inner, *args) for a, b in zip(cuts, cuts[1:]) if b > a]
-    for f in futures:
-        f.result()
+    _split(fn, layout.rows, pool, lambda i, a, b: (a, b, layout.channels, layout.inner, *args))
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -315,15 +323,9 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
     m = 1 if r is None else r.shape[2]
     fn = library().qt_depthwise_gram
     pool = _pool() if planes > 1 and xp.numel() >= PARALLEL_MIN else None
-    parts = 1 if pool is None else min(pool._max_workers, planes)
-    cuts = [planes * i // parts for i in range(parts + 1)]
+    parts = 1 if pool is None else min(pool[1], planes)
     scratch = torch.empty(parts, sh * (wp + 1) + wp + sw, dtype=torch.float64)
     spread = torch.empty(parts, hp * wp, dtype=torch.float32)
-    args = [(a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r), h.data_ptr(), _ptr(g), _ptr(s),
-             scratch[i].data_ptr(), spread[i].data_ptr()) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
-    if pool is None:
-        for a in args:
-            fn(*a)
-    else:
-        for f in [pool.submit(fn, *a) for a in args]:
-            f.result()
+    _split(fn, planes, pool, lambda i, a, b: (a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r),
+                                              h.data_ptr(), _ptr(g), _ptr(s), scratch[i].data_ptr(),
+                                              spread[i].data_ptr()))

@@ -94,18 +94,23 @@ def test_rows_split_between_threads_give_the_same_bits():
     scale = (w.abs().amax(dim=1) / 127).reshape(-1, 1)
     alpha, floor, gwq = torch.randn(w.shape, generator=gen), torch.floor(w / scale), torch.randn(w.shape, generator=gen)
     layout = cpu_steps.RowLayout.of(w, scale, None, 0)
+    xp = torch.randn(2, 7, 102, 102, generator=gen)  # depthwise 3x3 planes, past PARALLEL_MIN elements
+    r = torch.randn(2, 7, 1, 100 * 100, generator=gen)
     before = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
+            h, g, s = torch.empty(2, 7, 9, 9), torch.empty(2, 7, 1, 9), torch.empty(2, 7, 9)
+            cpu_steps.depthwise_gram(xp, (3, 3), (1, 1), (100, 100), r, h, g, s)
             results.append((cpu_steps.adaquant_values(layout, w, -128, 127),
                             cpu_steps.adaround_values(layout, alpha, floor, -128, 127),
-                            cpu_steps.adaround_grad(layout, alpha, floor, -128, 127, gwq, 5.5, 0.01)))
+                            cpu_steps.adaround_grad(layout, alpha, floor, -128, 127, gwq, 5.5, 0.01), (h, g, s)))
     finally:
         torch.set_num_threads(before)
-    (a1, b1, c1), (a3, b3, c3) = results
+    (a1, b1, c1, d1), (a3, b3, c3, d3) = results
     assert torch.equal(a1[0], a3[0]) and torch.equal(a1[1], a3[1]) and torch.equal(b1, b3) and torch.equal(c1, c3)
+    assert all(torch.equal(x, y) for x, y in zip(d1, d3))
 
 
 def test_layout_refuses_what_the_loops_do_not_cover():
