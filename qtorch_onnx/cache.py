@@ -49,39 +49,40 @@ def file_lock(path: os.PathLike | str, timeout: float = 1800.0, error: type = Ti
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o644)
+    if os.name == "nt":  # pragma: no cover - Windows
+        import msvcrt
+
+        def try_lock() -> bool:
+            try:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                return True
+            except OSError:
+                return False
+
+        def unlock() -> None:
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    else:
+        import fcntl
+
+        def try_lock() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+
+        def unlock() -> None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     try:
         deadline = time.monotonic() + timeout
-        if os.name == "nt":  # pragma: no cover - Windows
-            import msvcrt
-
-            while True:
-                try:
-                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise error(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
-                              "another build may be stuck: delete the file and retry")
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
-        else:
-            import fcntl
-
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise error(f"timed out after {timeout:.0f} s waiting for the lock {path}; "
-                              "another build may be stuck")
-                    time.sleep(0.2)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+        while not try_lock():
+            if time.monotonic() > deadline:
+                raise error(f"timed out after {timeout:.0f} s waiting for the lock {path}; another build may be "
+                            "stuck: delete the file and retry")
+            time.sleep(0.2)
+        try:
+            yield
+        finally:
+            unlock()
     finally:
         os.close(fd)

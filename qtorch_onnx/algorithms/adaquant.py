@@ -30,9 +30,10 @@ class AdaQuantStep:
     ``dequantize``'s arithmetic, docs/numerics.md section 1, without their per-call checks: each is a host read,
     a synchronisation on a GPU), gradient ``dL/dbq`` where the integer is inside the INT32 range.
 
-    The weight mask is float arithmetic (``1 - sign(|clamp(v) - v|)``), not a boolean tensor (a boolean comparison
-    or multiply costs 4-8 float passes on a CPU). A non-finite weight gets gradient 0 here where the quantizer's
-    STE passes 1: such a layer has diverged and fast finetune restores it.
+    The weight mask is float arithmetic (``sign(|v - clamp(v)|)``, 1 where saturated), not a boolean tensor (a
+    boolean comparison or multiply costs 4-8 float passes on a CPU). An infinite weight saturates, so its gradient
+    is 0 here where the quantizer's STE passes 1; a NaN weight's passes (``torch.sign(NaN)`` is 0), as the
+    quantizer's does. Either is a divergence, and fast finetune restores the layer.
 
     Args:
         fq_w: the weight's integer ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).
@@ -138,8 +139,8 @@ class AdaQuantStep:
                                     moments(self.weight))
             self.weight.grad = None
         else:
-        # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused Adam
-        # rejects any other layout
+            # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused
+            # Adam rejects any other layout
             self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
         if self.bias is not None:
             self.bias.grad = torch.mul(grads[1].reshape(self.bias.shape), bias_mask, out=torch.empty_like(self.bias))

@@ -196,21 +196,17 @@ class AdaRoundStep:
         ``fused_moments`` (fast finetune's Adam), Adam's step on ``alpha`` is taken in the same pass and
         ``alpha.grad`` stays None (the optimizer's own step then skips it)."""
         moments = getattr(optimizer, "fused_moments", None)
-        if self.layout is not None and moments is not None and self._saved is not None:
-            from . import cpu_steps
-
-            cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo, self.hi,
-                                    grads[0].contiguous(), beta, reg_param, adam=moments(self.alpha))
-            self.alpha.grad = None
-            self._saved = None
-            return
-        self.backward(grads[0], beta, reg_param)
+        fuse = self.layout is not None and moments is not None and self._saved is not None
+        self.backward(grads[0], beta, reg_param, adam=moments(self.alpha) if fuse else None)
 
     @torch.no_grad()
-    def backward(self, grad_wq: torch.Tensor, beta: Optional[float] = None, reg_param: float = 0.0) -> None:
+    def backward(self, grad_wq: torch.Tensor, beta: Optional[float] = None, reg_param: float = 0.0,
+                 adam=None) -> None:
         """Set ``alpha.grad`` to the gradient of ``loss + reg_param * regulariser(beta)`` (the regulariser left
         out when ``beta`` is None: the warm start), given ``grad_wq = dloss/dwq`` (float32, the weight's
-        shape) for the weight of the last :meth:`weight` call.
+        shape) for the weight of the last :meth:`weight` call. With ``adam`` (a
+        :class:`~qtorch_onnx.algorithms.cpu_steps.AdamMoments`, the fused CPU loops only): Adam's step on
+        ``alpha`` in the same pass instead, ``alpha.grad`` None.
 
         The masks are float arithmetic (``1 - sign(|hr - h|)``) and an index list of the elements that can be
         clamped, not boolean tensors: on a CPU a boolean comparison or a multiply by one costs 4-8 float
@@ -221,7 +217,7 @@ class AdaRoundStep:
             from . import cpu_steps
 
             self.alpha.grad = cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo,
-                                                      self.hi, grad_wq.contiguous(), beta, reg_param)
+                                                      self.hi, grad_wq.contiguous(), beta, reg_param, adam=adam)
             self._saved = None
             return
         s, hr, h, c = self._saved

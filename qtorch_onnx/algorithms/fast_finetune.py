@@ -424,8 +424,8 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     if act is not None:
         rec.note = f"reconstructed through the following {act[0].name}"
 
-    def quad_for(fn, bs):
-        return _quadratic_loss(qm, node, layer, ld, fn, s, bs, out_q) if quadratic_loss else None
+    def quad_for(bs):
+        return _quadratic_loss(qm, node, layer, ld, s, bs, out_q) if quadratic_loss else None
 
     return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for,
                         manual_gradient=manual_gradient)
@@ -448,7 +448,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                  device: torch.device, out_q=None, quad_for=None, manual_gradient: bool = True) -> LayerRecord:
     """The optimisation shared by layers and blocks: AdaRound (a rounding hook per layer, one regulariser sum)
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
-    EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(fn, batch)``: a single layer's
+    EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
     (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`). Fills
     and returns ``rec``."""
@@ -458,7 +458,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     bs = min(s.batch_size, n)
     # the Gram matrices first: they are built around the layer's starting weight, so its loss before
     # finetuning is their constant term (no forward pass); the loss after is their quadratic form
-    quad = quad_for(fn, bs) if quad_for is not None else None
+    quad = quad_for(bs) if quad_for is not None else None
     if quad is not None:
         rec.note = (rec.note + "; " if rec.note else "") + quad[1]
         quad = quad[0]
@@ -766,7 +766,7 @@ def _adam(params: List[torch.Tensor], lr: float):
     return torch.optim.Adam(params, lr=lr)
 
 
-def _quadratic_loss(qm, node, layer, ld, fn, s: FastFinetuneSettings, bs: int, out_q):
+def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q):
     """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
     (a plain Conv1d / Conv2d / Linear called on one cached activation, no QDrop mixing, no output quantizer,
     fewer multiply-adds than the forward path for these iterations); else None. The algebra is checked

@@ -506,17 +506,15 @@ class QuadraticLayerLoss:
                                              rc.reshape(m, g, out // g, length).contiguous(),
                                              self.H[a:a + m], self.G[a:a + m],
                                              self.S[a:a + m] if self.train_bias else None)
-                    self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
+                else:
+                    xc = _columns(module, xs).to(f32)                               # [m, g, k, L]
+                    xt = xc.transpose(-1, -2)
+                    torch.matmul(xc, xt, out=self.H[a:a + m])
+                    torch.matmul(rc.reshape(m, g, out // g, length), xt, out=self.G[a:a + m])
                     if self.train_bias:
-                        self.Y[a:a + m] = rc.sum(-1)
-                    continue
-                xc = _columns(module, xs).to(f32)                                   # [m, g, k, L]
-                xt = xc.transpose(-1, -2)
-                torch.matmul(xc, xt, out=self.H[a:a + m])
-                torch.matmul(rc.reshape(m, g, out // g, length), xt, out=self.G[a:a + m])
+                        self.S[a:a + m] = xc.sum(-1)
                 self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
-                    self.S[a:a + m] = xc.sum(-1)
                     self.Y[a:a + m] = rc.sum(-1)
         self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
 
