@@ -3,7 +3,7 @@
  * The same functions as qtorch_onnx/algorithms/adaround.py (AdaRoundStep) and adaquant.py (AdaQuantStep), one
  * pass over the weight instead of about twenty torch operations (each a pass over the weight and a dispatch).
  * Built on first use by qtorch_onnx/algorithms/cpu_steps.py (cc -O3 -march=native -fno-math-errno
- * -fno-trapping-math -ffp-contract=off), loaded with ctypes; no torch headers, no ONNX Runtime.
+ * -fno-trapping-math), loaded with ctypes; no torch headers, no ONNX Runtime.
  *
  * Layout: float32, contiguous. A weight of n elements is `rows` rows of `inner` elements; row r uses the
  * quantization parameters of channel (r % channels) (per tensor: channels = 1). Every function takes a row
@@ -25,7 +25,8 @@
  *   v = round_half_even(w / scale) + zp;  wq = (nan_to_num(clamp(v, qmin, qmax), qmin) - zp) * scale
  *   outside = 1 where v lies outside [qmin, qmax] (saturated), else 0 (NaN included, as the torch step)
  * bit for bit the quantizer's fused path (formats/integer.py, docs/numerics.md section 1): IEEE division,
- * rint in the default round-to-nearest-even mode, no contraction (-ffp-contract=off).
+ * rint in the default round-to-nearest-even mode, and no multiply followed by an add that the compiler could
+ * contract into one rounding (GCC contracts by default: keep it so when editing these loops).
  */
 #include <math.h>
 #include <stddef.h>
@@ -364,5 +365,48 @@ void qt_depthwise_gram(int64_t p0, int64_t p1, int64_t hp, int64_t wp, int64_t k
     }
 }
 
+/* --------------------------------------------------------------------------- direct layer loss */
+/* One mini-batch row of fast finetune's direct layer loss (DirectLayerLoss, algorithms/reconstruction.py): the
+ * pre-activation outputs p (n floats, overwritten) against the target y:
+ *   a = clamp(p, lo, hi);  r = a - y;  returns sum r^2 (float64)
+ *   p := gscale r ([lo < p < hi] + wlo [p == lo] + whi [p == hi])
+ * wlo / whi: the activation's own gradient at its bounds (torch 2.14's clamp passes none there). NaN passes the
+ * clamp (torch.clamp keeps it), so r and the sum are NaN; its mask is 0. Identity: lo = -inf, hi = inf. The new p
+ * is the torch expression (gscale r) m to the bit (the mask's terms are exact). 16 independent float64 lane sums:
+ * vector registers without reassociation, the same sum on every machine. */
+__attribute__((noinline)) static double act_residual_row(int64_t n, float *restrict p, const float *restrict y,
+                                                        float lo, float hi, float wlo, float whi, float gscale) {
+    double acc[16] = {0.0};
+    int64_t q = 0;
+    for (; q + 16 <= n; q += 16)
+        for (int t = 0; t < 16; t++) {
+            float x = p[q + t];
+            float a = x < lo ? lo : (x > hi ? hi : x);
+            float r = a - y[q + t];
+            acc[t] += (double)r * (double)r;
+            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            p[q + t] = gscale * r * m;
+        }
+    double total = 0.0;
+    for (int t = 0; t < 16; t++)
+        total += acc[t];
+    for (; q < n; q++) {
+        float x = p[q];
+        float a = x < lo ? lo : (x > hi ? hi : x);
+        float r = a - y[q];
+        total += (double)r * (double)r;
+        float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+        p[q] = gscale * r * m;
+    }
+    return total;
+}
+
+/* rows b in [b0, b1) of pre (each len floats) against the rows idx[b] of target; sse[b]: each row's sum */
+void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const float *target, const int64_t *idx,
+                     float lo, float hi, float wlo, float whi, float gscale, double *sse) {
+    for (int64_t b = b0; b < b1; b++)
+        sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 3; }
+int qt_cpu_steps_version(void) { return 4; }

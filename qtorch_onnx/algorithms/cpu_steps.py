@@ -41,11 +41,11 @@ import torch
 from ..cache import cache_root, file_lock
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
-           "adaquant_adam", "depthwise_gram", "AdamMoments", "ENV_SWITCH"]
+           "adaquant_adam", "depthwise_gram", "act_residual", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 3
+_VERSION = 4
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
 #: weights from this many elements up are split between torch's intra-op threads
@@ -145,8 +145,9 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
+            lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
             for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
-                      lib.qt_adaquant_adam):
+                      lib.qt_adaquant_adam, lib.qt_act_residual):
                 f.restype = None
         else:
             warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
@@ -329,3 +330,22 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
     _split(fn, planes, pool, lambda i, a, b: (a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r),
                                               h.data_ptr(), _ptr(g), _ptr(s), scratch[i].data_ptr(),
                                               spread[i].data_ptr()))
+
+
+def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo: float, hi: float, wlo: float,
+                 whi: float, gscale: float) -> torch.Tensor:
+    """Fast finetune's direct layer loss in one pass (``qt_act_residual``): for the pre-activation outputs ``pre``
+    (contiguous float32 ``[B, ...]``, overwritten) and the rows ``idx`` (contiguous int64 ``[B]``, on the CPU) of
+    ``target`` (contiguous float32 ``[N, ...]``, each row ``pre[0].numel()`` floats), with ``a = clamp(pre, lo, hi)``
+    and ``r = a - target[idx]``: ``pre := gscale * r * m``, ``m`` 1 inside ``(lo, hi)``, ``wlo`` / ``whi`` at the
+    bounds, 0 outside and for NaN (the gradient of ``gscale / 2 * sum r^2`` with respect to ``pre`` for an
+    activation whose gradient is ``m``; the identity: ``lo = -inf``, ``hi = inf``). Returns ``sum r^2`` per row
+    (float64 ``[B]``). Rows are split between torch's intra-op threads."""
+    b = pre.shape[0]
+    length = pre[0].numel()
+    sse = torch.empty(b, dtype=torch.float64)
+    fn = library().qt_act_residual
+    pool = _pool() if b > 1 and pre.numel() >= PARALLEL_MIN else None
+    _split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
+                                         float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
+    return sse

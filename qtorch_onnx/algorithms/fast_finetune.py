@@ -19,8 +19,11 @@ The reconstruction loss is the squared error summed over the channel dimension a
 (the layer output ``[N, C, ...]``). A Conv1d / Conv2d / Linear layer is linear in its weight and bias, so where
 it is cheaper its mini-batch loss and gradient come from per-sample Gram matrices of its cached input
 (:class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`: exact algebra, one ``[out, K] x [K, K]``
-product per iteration instead of a convolution forward and backward); the losses before / after are always
-measured by the layer's forward. Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
+product per iteration instead of a convolution forward and backward; the loss before is their constant term,
+the loss after their quadratic form, checked against the layer's forward on one sample). Elsewhere a single
+layer on its own output or through a ReLU / Clip trains on its written-out forward and weight-gradient
+convolutions without autograd (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`, checked against
+autograd on its first mini-batch). Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
 input instead of the quantized one to a random fraction of the elements (QDrop, Wei et al. 2022).
 ``SelectiveUpdate`` keeps a layer's update only if it lowers the layer's loss on the whole data. A loss that
 turns NaN stops that layer and restores it.
@@ -41,7 +44,8 @@ from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
 from .adaquant import AdaQuantStep
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
-from .reconstruction import QuadraticLayerLoss, StagedExecutor, float_twin, in_graph_order, sample_count
+from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
+                             in_graph_order, sample_count)
 from .reporting import save_before_after
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
@@ -249,8 +253,13 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             chain rule written out instead of autograd through the quantizers: AdaRound
             (:class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep`: soft rounding and regulariser, about 20
             elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
-            biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator). The
-            layer itself (forward path) still runs under autograd, on the step's values as leaves. Applies where
+            biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator). A
+            single Conv1d / Conv2d / Linear layer without Gram matrices, on its own output or through a ReLU /
+            baked Clip, then runs without autograd too
+            (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`: its forward and weight-gradient
+            convolutions, the residual, loss and activation mask in one pass; kept only if it gives autograd's
+            loss and gradient on the first mini-batch); other layers (blocks, QDrop, OutputQDQ, other
+            activations) run their forward under autograd, on the step's values as leaves. Applies where
             every trained tensor is quantized through its module's parametrization on an integer grid of 2-16
             bits (calibrated or learned scale, held fixed) and the step's values equal the quantizer's
             (checked); other layers, and False, use autograd through the quantizers. On a CPU the steps run as
@@ -413,6 +422,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
                     quadratic_loss: bool = True, act=None, manual_gradient: bool = True) -> LayerRecord:
     """Reconstruct one layer (its output, or the following activation's with ``act``) on its cached data."""
     fn = ex.layer_fn(node)
+    act_module = None
     if act is not None:  # reconstruct the following activation's output (ACTIVATION_OPS)
         act_node, act_input = act
         act_fn, layer_fn = ex.layer_fn(act_node), fn
@@ -423,6 +433,7 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
         with torch.no_grad():
             ld.target = act_fn({act_input: ld.target})
         quadratic_loss = False
+        act_module = qm.gm.get_submodule(str(act_node.target)) if act_node.op == "call_module" else False
     out_q = _output_quantizer(qm, node) if s.output_qdq else None
     rec = LayerRecord(layer.name, layer.op_type, layer.weight_quantizer.fmt.name, 0.0, 0.0, 0, 0.0)
     if act is not None:
@@ -431,8 +442,11 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     def quad_for(bs):
         return _quadratic_loss(qm, node, layer, ld, s, bs, out_q) if quadratic_loss else None
 
+    def direct_for(bs, steps):
+        return _direct_loss(qm, node, layer, ld, s, bs, out_q, act_module, fn, steps)
+
     return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for,
-                        manual_gradient=manual_gradient)
+                        direct_for=direct_for, manual_gradient=manual_gradient)
 
 
 def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index: int, progress: bool,
@@ -449,13 +463,15 @@ def _optimize_block(qm, ex, layers, start, nodes, s: FastFinetuneSettings, index
 
 
 def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: bool, rec: LayerRecord,
-                 device: torch.device, out_q=None, quad_for=None, manual_gradient: bool = True) -> LayerRecord:
+                 device: torch.device, out_q=None, quad_for=None, direct_for=None,
+                 manual_gradient: bool = True) -> LayerRecord:
     """The optimisation shared by layers and blocks: AdaRound (a rounding hook per layer, one regulariser sum)
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
-    (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`). Fills
-    and returns ``rec``."""
+    (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`).
+    ``direct_for(batch, steps)``: without Gram matrices but with the steps, a single layer's
+    :class:`DirectLayerLoss` (or None) and its note. Fills and returns ``rec``."""
     from tqdm.auto import tqdm
 
     n = ld.target.shape[0]
@@ -507,6 +523,14 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
     opt = _adam(params, lr)
     steps = _manual_steps(layers, hooks, s) if manual_gradient else None
+    # the loss with its gradient written out: the Gram matrices' quadratic form, else the layer's direct loss
+    # (its forward and weight-gradient convolutions without autograd), where the steps give the values
+    lossfn = quad
+    if quad is None and steps is not None and direct_for is not None:
+        direct = direct_for(bs, steps)
+        if direct is not None:
+            lossfn = direct[0]
+            rec.note = (rec.note + "; " if rec.note else "") + direct[1]
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     warm = int(math.ceil(s.warm_start * s.num_iterations))
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
@@ -527,8 +551,10 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     table = dev_table = rows = None
     if s.drop_ratio >= 1.0:
         table = torch.randint(0, n, (s.num_iterations * s.num_batches, bs), generator=gen)
-        dev_table = table.to(device) if quad is None else None
+        dev_table = table.to(device) if lossfn is None else None
         rows = table.tolist() if quad is not None else None  # the Gram matrices sum samples by Python index
+        if lossfn is not None and quad is None:
+            rows = list(table.unbind(0))  # the direct loss's index_select takes the host rows
     draw = 0
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
@@ -538,7 +564,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             vals, g_quad = None, None
             if steps is not None:  # the quantized tensors, by hand; the forward path sees them as autograd leaves
                 vals = [st.values() for st, _ in steps]
-                if quad is None:
+                if lossfn is None:
                     for (_, pqs), vs in zip(steps, vals):
                         for pq, v in zip(pqs, vs):
                             pq.override = v.requires_grad_()
@@ -546,10 +572,10 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 idx = torch.randint(0, n, (bs,), generator=gen) if table is None else \
                     rows[draw] if rows is not None else table[draw]
                 draw += 1
-                if quad is not None:  # the same mini-batch loss and gradient, from the layer's Gram matrices
+                if lossfn is not None:  # the same mini-batch loss and gradient, written out
                     if vals is not None:  # host indices: no device round trip
-                        gw, gb, v = quad.gradient(idx, vals[0][0], 1.0 / s.num_batches,
-                                                  bias=vals[0][1] if len(vals[0]) > 1 else None)
+                        gw, gb, v = lossfn.gradient(idx, vals[0][0], 1.0 / s.num_batches,
+                                                    bias=vals[0][1] if len(vals[0]) > 1 else None)
                         g_quad = [gw, gb] if g_quad is None else \
                             [g_quad[0].add_(gw), None if gb is None else g_quad[1].add_(gb)]
                     else:
@@ -579,7 +605,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 break
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
             if steps is not None:
-                grads = [g_quad] if quad is not None else [[v.grad for v in vs] for vs in vals]
+                grads = [g_quad] if lossfn is not None else [[v.grad for v in vs] for vs in vals]
                 for (st, _), vs, gs in zip(steps, vals, grads):
                     st.set_grads([g if g is not None else torch.zeros_like(v) for v, g in zip(vs, gs)], beta,
                                  s.reg_param, optimizer=opt)
@@ -790,6 +816,58 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
     quad = QuadraticLayerLoss(layer.module, x, ld.target,
                               train_bias=s.optim_algorithm == "adaquant" and s.update_bias and layer.bias is not None)
     return quad, why
+
+
+#: the direct loss must give autograd's loss and gradient to these relative tolerances (in norm): float32 sums in
+#: another order (EfficientNet-Lite0 AdaQuant, every layer: up to 3.5e-5 for the gradients, 1.2e-7 for the loss); a
+#: wrong mask, bias or activation differs by order one
+DIRECT_CHECK_RTOL_GRAD = 1e-3
+DIRECT_CHECK_RTOL_LOSS = 1e-5
+
+
+def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q, act_module, fn, steps):
+    """(:class:`DirectLayerLoss`, note) when the layer's mini-batch loss and gradient can be written out (one
+    Conv1d / Conv2d / Linear called on one cached activation, the identity or a clamp-like following activation
+    (``act_module``: the activation's module, None for none, False when it is no module), no QDrop, no output
+    quantizer, one layer with its written-out ``steps``) and agree with autograd's through ``fn`` on the first
+    mini-batch (else None: the layer trains by autograd)."""
+    if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1 or len(steps) != 1 or act_module is False:
+        return None
+    if node.op != "call_module" or node.kwargs or len(node.args) != 1:
+        return None
+    module = layer.module
+    if qm.gm.get_submodule(str(node.target)) is not module:
+        return None
+    (a, x), = ld.q_inputs.items()
+    clamp = activation_clamp(act_module)
+    if node.args[0] is not a or not isinstance(x, torch.Tensor) or clamp is None \
+            or DirectLayerLoss.covers(module, x, ld.target) is not None:
+        return None
+    step, pqs = steps[0]
+    with torch.no_grad():
+        bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
+        direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
+    # the check: autograd through the layer's own forward (fn, with the step's values as leaves) on one mini-batch
+    idx = torch.arange(min(bs, x.shape[0]))
+    vals = [v.detach().clone().requires_grad_() for v in step.values()]
+    try:
+        for pq, v in zip(pqs, vals):
+            pq.override = v
+        with torch.enable_grad():
+            loss = _rec_loss(fn({a: x.index_select(0, idx)}), ld.target.index_select(0, idx))
+            loss.backward()
+    finally:
+        for pq in pqs:
+            pq.override = None
+    with torch.no_grad():
+        gw, gb, lv = direct.gradient(idx, vals[0].detach(), 1.0, bias=vals[1].detach() if len(vals) > 1 else None)
+        pairs = [(gw, vals[0].grad)] + ([(gb, vals[1].grad)] if len(vals) > 1 else [])
+        ok = all(r is not None and g.shape == r.shape
+                 and float((g - r).norm()) <= DIRECT_CHECK_RTOL_GRAD * float(r.norm()) + 1e-12 for g, r in pairs)
+        ok = ok and abs(float(lv) - float(loss.detach())) <= DIRECT_CHECK_RTOL_LOSS * abs(float(loss.detach())) + 1e-12
+    if not ok:
+        return None
+    return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 
 def adaround(qm, data: Any, settings: Any = None, **kw):

@@ -225,3 +225,39 @@ def test_fused_adam_step_matches_torch_adam():
         opt_wp.step()
         torch.testing.assert_close(wf, wp, rtol=1e-5, atol=1e-7)
     assert not torch.equal(fused, alpha0) and float(opt_f.state[id(fused)][2]) == 6.0
+
+
+@pytest.mark.parametrize("lo,hi,wlo,whi", [
+    (-float("inf"), float("inf"), 1.0, 1.0), (0.0, 6.0, 0.0, 0.0), (0.0, float("inf"), 0.0, 1.0), (-1.0, 1.0, 1.0, 1.0),
+    (0.0, 6.0, 0.5, 0.5),
+])
+def test_act_residual_is_the_torch_expression(monkeypatch, lo, hi, wlo, whi):
+    """The direct loss's fused pass gives ``(gscale r) m`` bit for bit (``r = clamp(p, lo, hi) - y[idx]``, ``m`` 1
+    inside, ``wlo`` / ``whi`` at the bounds, 0 outside), NaN and infinities included, and ``sum r^2`` per row to
+    float64 rounding; rows split between threads give the same bits."""
+    gen = torch.Generator().manual_seed(8)
+    pre = torch.randn(3, 5, 37, generator=gen) * 4
+    flat = pre.view(-1)
+    flat[::7] = lo if lo > -float("inf") else 0.0
+    flat[3::11] = hi if hi < float("inf") else 2.0
+    flat[5], flat[6], flat[8] = float("nan"), float("inf"), -float("inf")
+    target = torch.randn(4, 5, 37, generator=gen)
+    idx = torch.tensor([2, 0, 2])
+    gscale = 0.37
+    ref_r = pre.clamp(lo, hi) - target[idx]
+    m = ((pre > lo) & (pre < hi)).float() + wlo * (pre == lo).float() + whi * (pre == hi).float()
+    ref = (ref_r * gscale) * m
+    monkeypatch.setattr(cpu_steps, "PARALLEL_MIN", 1)
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            got = pre.clone()
+            sse = cpu_steps.act_residual(got, target, idx, lo, hi, wlo, whi, gscale)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        ref_sse = (ref_r.double() ** 2).reshape(3, -1).sum(1)
+        finite = torch.isfinite(ref_sse)
+        assert torch.equal(torch.isfinite(sse), finite) and not bool(finite.all())
+        torch.testing.assert_close(sse[finite], ref_sse[finite], rtol=1e-12, atol=0.0)

@@ -302,6 +302,99 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
             assert b.loss_after < b.loss_before
 
 
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.Conv2d(6, 8, 3, stride=2, padding=(1, 2), dilation=(1, 2), groups=2), (5, 6, 11, 9)),
+    (lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), (5, 4, 8, 8)),    # depthwise
+    (lambda: torch.nn.Conv2d(6, 5, 1, bias=False), (5, 6, 7, 3)),
+    (lambda: torch.nn.Conv1d(3, 4, 5, stride=2, padding=2), (5, 3, 17)),
+    (lambda: torch.nn.Linear(7, 3), (5, 7)),
+    (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),                               # loss sums over dim 1 (tokens)
+])
+@pytest.mark.parametrize("act", ["none", "relu", "clip", "clip_open"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
+    """DirectLayerLoss's loss and weight / bias gradients are autograd's through the layer and its activation
+    (ReLU, a baked Clip, one with an absent bound), outputs exactly at the bounds included (where torch's own
+    backward decides), with the fused CPU pass and with torch operations; the fixed bias is used when the bias
+    is not trained."""
+    from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.algorithms.fast_finetune import _rec_loss
+    from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss, activation_clamp
+    from qtorch_onnx.lift.ops_math import OnnxClip
+
+    if fused and not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    monkeypatch.setenv(cpu_steps.ENV_SWITCH, "1" if fused else "0")
+    monkeypatch.setattr(cpu_steps, "_state", {})  # library() reads the switch again
+    torch.manual_seed(0)
+    m = make()
+    module = {"none": None, "relu": torch.nn.ReLU(), "clip": OnnxClip(0.0, 0.5, baked=True),
+              "clip_open": OnnxClip(None, 0.25, baked=True)}[act]
+    x = torch.randn(shape)
+    with torch.no_grad():
+        if m.bias is not None:  # one output channel exactly 0 everywhere: at ReLU's / Clip's lower bound
+            m.weight[0] = 0.0
+            m.bias[0] = 0.0
+        y = m(x)
+        target = (y if module is None else module(y)) + 0.1 * torch.randn_like(y)
+    clamp = activation_clamp(module)
+    assert clamp is not None
+    direct = DirectLayerLoss(m, x, target, clamp, m.bias)
+    assert direct.fused == fused
+    for idx, train_bias in (([0, 3], False), ([2, 2, 4], True), ([1], True)):
+        if train_bias and m.bias is None:
+            continue
+        i = torch.tensor(idx)
+        w = m.weight.detach().clone().requires_grad_()
+        b = None if m.bias is None else m.bias.detach().clone().requires_grad_(train_bias)
+        pre = torch.nn.functional.linear(x[i], w, b) if isinstance(m, torch.nn.Linear) else \
+            m._conv_forward(x[i], w, b)
+        ref = _rec_loss(pre if module is None else module(pre), target[i]) * 0.5
+        ref.backward()
+        gw, gb, loss = direct.gradient(idx, w.detach(), 0.5, bias=b.detach() if train_bias else None)
+        assert float(loss) == pytest.approx(float(ref.detach()), rel=1e-5)
+        torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-6)
+        if train_bias:
+            torch.testing.assert_close(gb, b.grad, rtol=1e-4, atol=1e-6)
+        else:
+            assert gb is None
+    assert DirectLayerLoss.covers(torch.nn.ConvTranspose2d(4, 4, 3), torch.randn(2, 4, 5, 5),
+                                  torch.randn(2, 4, 7, 7)) is not None
+    assert activation_clamp(torch.nn.LeakyReLU()) is None and activation_clamp(OnnxClip(1.0, 1.0, baked=True)) is None
+
+
+@pytest.mark.parametrize("algorithm,kw", [("adaround", {}), ("adaquant", dict(update_bias=True, learning_rate=1e-5))])
+def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
+    """Without Gram matrices, the written-out steps train every layer on the direct loss (no autograd; the
+    through-activation layers of AdaQuant through their ReLU, the classifier through the Softmax excepted): the
+    same layers improve by about as much as with autograd's forward path, and the result exports bit-exactly."""
+    import importlib
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    reps = {}
+    for direct in (False, True):
+        if not direct:
+            monkeypatch.setattr(ff, "_direct_loss", lambda *a, **k: None)
+        else:
+            monkeypatch.undo()
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=200, batch_size=2, progress=False,
+                      quadratic_loss=False, **kw)
+        reps[direct] = qm.finetune_report.layers
+        if direct:
+            _bit_exact(qm, calib_data(3, seed=9))
+    used = {r.name for r in reps[True] if "direct loss" in r.note}
+    softmax = {r.name for r in reps[True] if "softmax" in r.note}
+    assert used == {r.name for r in reps[True]} - softmax and len(used) >= 3, [r.note for r in reps[True]]
+    assert (algorithm == "adaquant") == bool(softmax)
+    assert not any("direct loss" in r.note for r in reps[False])
+    for a, b in zip(reps[False], reps[True]):
+        assert a.name == b.name
+        assert abs(b.loss_after - a.loss_after) <= 0.1 * max(a.loss_before, b.loss_before), (a, b)
+        if algorithm == "adaround":
+            assert b.loss_after < b.loss_before
+
+
 def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
     """A Gram-matrix layer's losses before (the constant term) and after (the quadratic form) equal the forward
     path's over all samples; a quadratic form that disagrees with the forward path on sample 0 after training
