@@ -408,5 +408,156 @@ void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const floa
         sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
 }
 
+/* -------------------------------------------------------------- depthwise convolution, forward and weight gradient */
+/* The zero-padded plane of x (h x w floats; ph rows above and below, pw columns left and right) split into its sw
+ * column phases: out[(r hp + row) wq + j] = xpad[row][sw j + r] (0 outside x), hp rows, wq columns per phase. A
+ * strided convolution then reads contiguous runs: column sw x + b is phase b % sw, index x + b / sw. */
+static void phase_plane(const float *restrict x, int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t hp, int64_t sw,
+                        int64_t wq, float *restrict out) {
+    for (int64_t r = 0; r < sw; r++) {
+        /* the columns j of phase r inside x: 0 <= sw j + r - pw < w */
+        int64_t j0 = pw > r ? (pw - r + sw - 1) / sw : 0;
+        int64_t j1 = (w + pw - r + sw - 1) / sw;
+        j1 = j1 < wq ? j1 : wq;
+        j0 = j0 < j1 ? j0 : j1;
+        for (int64_t row = 0; row < hp; row++) {
+            float *o = out + (r * hp + row) * wq;
+            int64_t sy = row - ph;
+            if (sy < 0 || sy >= h) {
+                __builtin_memset(o, 0, (size_t)wq * sizeof(float));
+                continue;
+            }
+            const float *src = x + sy * w + r - pw;
+            __builtin_memset(o, 0, (size_t)j0 * sizeof(float));
+            if (sw == 1)
+                __builtin_memcpy(o + j0, src + j0, (size_t)(j1 - j0) * sizeof(float));
+            else
+                for (int64_t j = j0; j < j1; j++)
+                    o[j] = src[sw * j];
+            __builtin_memset(o + j1, 0, (size_t)(wq - j1) * sizeof(float));
+        }
+    }
+}
+
+#define VL 16 /* output columns per register block: one 512-bit vector of floats (two 256-bit ones on AVX2) */
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+static inline vf loadu(const float *p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* one plane's output: out[y][x] = bias + sum_i w[i] xpad[sh y + a_i][sw x + b_i], the taps i = a kw + b accumulated in
+ * order in a register block of VL output columns (the last block reads up to VL - 1 columns past its row: the next
+ * row's, or the scratch's zeroed slack; those lanes are not stored). Explicit vectors: left to itself GCC vectorizes
+ * across the taps with gathers. */
+static inline __attribute__((always_inline)) void dw_forward_block(const float *restrict pp, int64_t wq, int64_t k,
+                                                                  const int64_t *restrict off, int64_t sh, int64_t ho,
+                                                                  int64_t wo, const float *restrict w, float bias,
+                                                                  float *restrict out) {
+    for (int64_t y = 0; y < ho; y++)
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
+            vf acc = (vf){0} + bias;
+            const float *row = pp + sh * y * wq + x0;
+            for (int64_t i = 0; i < k; i++)
+                acc += w[i] * loadu(row + off[i]);
+            int64_t n = wo - x0 < VL ? wo - x0 : VL;
+            __builtin_memcpy(out + y * wo + x0, &acc, (size_t)n * sizeof(float));
+        }
+}
+
+/* one plane's weight gradient, added to tot (k doubles): tot[i] += sum_{y, x} g[y][x] xpad[sh y + a_i][sw x + b_i],
+ * every tap's VL float lanes in registers over the plane (a block of g read once for all taps; lanes past the row
+ * end multiply zero), then summed in float64 */
+static inline __attribute__((always_inline)) void dw_wgrad_block(const float *restrict pp, int64_t wq, int64_t k,
+                                                                const int64_t *restrict off, int64_t sh, int64_t ho,
+                                                                int64_t wo, const float *restrict g,
+                                                                double *restrict tot) {
+    vf acc[k];
+    for (int64_t i = 0; i < k; i++)
+        acc[i] = (vf){0};
+    for (int64_t y = 0; y < ho; y++)
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
+            int64_t n = wo - x0 < VL ? wo - x0 : VL;
+            vf gv = (vf){0};
+            __builtin_memcpy(&gv, g + y * wo + x0, (size_t)n * sizeof(float));
+            const float *row = pp + sh * y * wq + x0;
+            for (int64_t i = 0; i < k; i++)
+                acc[i] += gv * loadu(row + off[i]);
+        }
+    for (int64_t i = 0; i < k; i++) {
+        double sum = 0.0;
+        for (int t = 0; t < VL; t++)
+            sum += (double)acc[i][t];
+        tot[i] += sum;
+    }
+}
+
+/* the kernels with the common tap counts as constants (the tap loops unrolled, the gradient's lanes in registers) */
+__attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
+                                                      int64_t sh, int64_t ho, int64_t wo, const float *w, float bias,
+                                                      float *out) {
+    if (k == 9)
+        dw_forward_block(pp, wq, 9, off, sh, ho, wo, w, bias, out);
+    else if (k == 25)
+        dw_forward_block(pp, wq, 25, off, sh, ho, wo, w, bias, out);
+    else
+        dw_forward_block(pp, wq, k, off, sh, ho, wo, w, bias, out);
+}
+
+__attribute__((noinline)) static void dw_wgrad_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
+                                                    int64_t sh, int64_t ho, int64_t wo, const float *g, double *tot) {
+    if (k == 9)
+        dw_wgrad_block(pp, wq, 9, off, sh, ho, wo, g, tot);
+    else if (k == 25)
+        dw_wgrad_block(pp, wq, 25, off, sh, ho, wo, g, tot);
+    else
+        dw_wgrad_block(pp, wq, k, off, sh, ho, wo, g, tot);
+}
+
+/* tap (a, b) reads the phase planes from offset off[a kw + b] = ((b % sw) hp + a) wq + b / sw (then sh y wq + x) */
+static void tap_offsets(int64_t kh, int64_t kw, int64_t sw, int64_t hp, int64_t wq, int64_t *off) {
+    for (int64_t a = 0; a < kh; a++)
+        for (int64_t b = 0; b < kw; b++)
+            off[a * kw + b] = ((b % sw) * hp + a) * wq + b / sw;
+}
+
+/* A depthwise Conv2d (one output per input channel, dilation 1, zero padding ph / pw, stride sh / sw, kernel kh x kw)
+ * on the rows idx[b] of x ([N, c, h, w]): planes p = b c + ch in [p0, p1) of out ([B, c, ho, wo]). weight: [c, kh kw];
+ * bias: [c] or NULL. scratch: sw hp wq + VL floats, hp = h + 2 ph, wq = ceil((w + 2 pw) / sw), the last VL zero. */
+void qt_depthwise_forward(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h, int64_t w,
+                          int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
+                          int64_t wo, const float *weight, const float *bias, float *out, float *scratch) {
+    int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw;
+    int64_t off[k];
+    tap_offsets(kh, kw, sw, hp, wq, off);
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t b = p / c, ch = p % c;
+        phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+        dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, out + p * ho * wo);
+    }
+}
+
+/* Its weight gradient for the output gradient g ([nb, c, ho, wo]): gw[ch] (kh kw floats) for channels ch in [c0, c1),
+ * summed over the nb samples in float64. scratch as above; tot: kh kw doubles. */
+void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int64_t *idx, const float *x, int64_t h,
+                        int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
+                        int64_t wo, const float *g, float *gw, float *scratch, double *tot) {
+    int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw;
+    int64_t off[k];
+    tap_offsets(kh, kw, sw, hp, wq, off);
+    for (int64_t ch = c0; ch < c1; ch++) {
+        for (int64_t i = 0; i < k; i++)
+            tot[i] = 0.0;
+        for (int64_t b = 0; b < nb; b++) {
+            phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+            dw_wgrad_plane(scratch, wq, k, off, sh, ho, wo, g + (b * c + ch) * ho * wo, tot);
+        }
+        for (int64_t i = 0; i < k; i++)
+            gw[ch * k + i] = (float)tot[i];
+    }
+}
+
 /* the library's interface version, checked at load */
 int qt_cpu_steps_version(void) { return 4; }

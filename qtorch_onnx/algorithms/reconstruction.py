@@ -719,6 +719,12 @@ class DirectLayerLoss:
 
         self.fused = x.device.type == "cpu" and cpu_steps.available()
         self.identity = clamp[0] == -math.inf and clamp[1] == math.inf
+        # a depthwise Conv2d (one output per channel, dilation 1) on the CPU: cpu_steps' forward and weight gradient
+        # from the cached input's rows (no batch copy), the output into one buffer reused every iteration
+        self.depthwise = (self.fused and isinstance(module, nn.Conv2d) and x.is_contiguous()
+                          and module.groups == module.in_channels == module.out_channels
+                          and tuple(module.dilation) == (1, 1))
+        self._out: Optional[torch.Tensor] = None
 
     @staticmethod
     def covers(module: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Optional[str]:
@@ -746,8 +752,20 @@ class DirectLayerLoss:
         sample indices (a list of ints or an int64 tensor; repeats allowed)."""
         ids = idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)
         dev = self.x.device
-        xb = self.x.index_select(0, ids.to(dev))
         b = self.bias if bias is None else bias
+        m = self.module
+        if self.depthwise:
+            from . import cpu_steps
+
+            ids = ids.contiguous()
+            out = self._out if self._out is not None and self._out.shape[0] == ids.numel() else None
+            pre = self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), b, m.kernel_size,
+                                                          m.stride, m.padding, out=out)
+            f = factor / (ids.numel() * self.denominator)
+            sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, 2.0 * f)
+            gw = cpu_steps.depthwise_wgrad(self.x, ids, pre, m.kernel_size, m.stride, m.padding)
+            return gw, (pre.sum([0, 2, 3]) if bias is not None else None), sse.sum() * f
+        xb = self.x.index_select(0, ids.to(dev))
         if self.linear:
             pre = torch.nn.functional.linear(xb, weight, b)
         else:

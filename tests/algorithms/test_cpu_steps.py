@@ -261,3 +261,38 @@ def test_act_residual_is_the_torch_expression(monkeypatch, lo, hi, wlo, whi):
         finite = torch.isfinite(ref_sse)
         assert torch.equal(torch.isfinite(sse), finite) and not bool(finite.all())
         torch.testing.assert_close(sse[finite], ref_sse[finite], rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("channels,size,kernel,stride,padding,bias", [
+    (5, 12, 3, 1, 1, True), (4, 21, 5, 2, 2, False), (3, 9, (3, 5), (2, 3), (1, 2), True), (2, 40, 3, 2, 0, True),
+    (6, 7, 5, 1, 2, True), (3, 10, (2, 4), 1, (0, 1), False),
+])
+def test_depthwise_forward_and_weight_gradient_equal_torch(channels, size, kernel, stride, padding, bias):
+    """The depthwise forward equals torch's convolution on the selected rows (strides, rectangular kernels, padding,
+    rows narrower and wider than a register block, tap counts with and without an unrolled kernel) to float32
+    rounding, and the weight gradient equals convolution_backward's; threads give the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv2d(channels, channels, kernel, stride=stride, padding=padding, groups=channels, bias=bias)
+    x = torch.randn(4, channels, size, size + 5, generator=gen)
+    idx = torch.tensor([3, 1, 3])
+    w = conv.weight.detach().contiguous()
+    b = conv.bias.detach() if bias else None
+    ref = torch.nn.functional.conv2d(x[idx], w, b, conv.stride, conv.padding, groups=channels)
+    g = torch.randn(ref.shape, generator=gen)
+    ref_w = torch.ops.aten.convolution_backward(g, x[idx], w, None, list(conv.stride), list(conv.padding), [1, 1],
+                                                False, [0, 0], channels, [False, True, False])[1]
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = torch.full(ref.shape, float("nan"))
+            y = cpu_steps.depthwise_forward(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding, out=out)
+            assert y is out
+            got.append((y, cpu_steps.depthwise_wgrad(x, idx, g, conv.kernel_size, conv.stride, conv.padding)))
+    finally:
+        torch.set_num_threads(before)
+    (y1, gw1), (y2, gw2) = got
+    assert torch.equal(y1, y2) and torch.equal(gw1, gw2)
+    torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw1, ref_w, rtol=1e-5, atol=1e-4)
