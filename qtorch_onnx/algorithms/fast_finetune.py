@@ -442,8 +442,8 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     def quad_for(bs):
         return _quadratic_loss(qm, node, layer, ld, s, bs, out_q) if quadratic_loss else None
 
-    def direct_for(bs, steps):
-        return _direct_loss(qm, node, layer, ld, s, bs, out_q, act_module, fn, steps)
+    def direct_for():
+        return _direct_loss(qm, node, layer, ld, s, out_q, act_module, fn)
 
     return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for,
                         direct_for=direct_for, manual_gradient=manual_gradient)
@@ -470,8 +470,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
     (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`).
-    ``direct_for(batch, steps)``: without Gram matrices but with the steps, a single layer's
-    :class:`DirectLayerLoss` (or None) and its note. Fills and returns ``rec``."""
+    ``direct_for()``: without Gram matrices, a single layer's :class:`DirectLayerLoss` (or None) and its note,
+    used with the steps when its gradient agrees with autograd's (its losses before / after then too). Fills and
+    returns ``rec``."""
     from tqdm.auto import tqdm
 
     n = ld.target.shape[0]
@@ -479,12 +480,15 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # the Gram matrices first: they are built around the layer's starting weight, so its loss before
     # finetuning is their constant term (no forward pass); the loss after is their quadratic form
     quad = quad_for(bs) if quad_for is not None else None
+    direct = None
     if quad is not None:
         rec.note = (rec.note + "; " if rec.note else "") + quad[1]
         quad = quad[0]
         loss_before = quad.start_value()
     else:
-        loss_before = _loss_on_all(fn, ld, output_q=out_q)
+        # else the layer's written-out forward (for the written-out steps), its loss checked on one sample
+        direct = direct_for() if direct_for is not None and manual_gradient else None
+        loss_before = direct[0].value() if direct is not None else _loss_on_all(fn, ld, output_q=out_q)
     rec.loss_before = rec.loss_after = loss_before
     if not math.isfinite(loss_before):
         rec.kept = False
@@ -526,11 +530,12 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # the loss with its gradient written out: the Gram matrices' quadratic form, else the layer's direct loss
     # (its forward and weight-gradient convolutions without autograd), where the steps give the values
     lossfn = quad
-    if quad is None and steps is not None and direct_for is not None:
-        direct = direct_for(bs, steps)
-        if direct is not None:
+    if direct is not None:
+        if steps is not None and _direct_gradient_agrees(direct[0], fn, ld, steps, bs):
             lossfn = direct[0]
             rec.note = (rec.note + "; " if rec.note else "") + direct[1]
+        else:
+            direct = None
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     warm = int(math.ceil(s.warm_start * s.num_iterations))
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
@@ -644,6 +649,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         loss_after = math.nan
     elif quad is not None:
         loss_after = _quadratic_loss_after(quad, fn, ld, rec)
+    elif direct is not None:
+        loss_after = _direct_loss_after(direct[0], fn, ld, rec)
     else:
         loss_after = _loss_on_all(fn, ld, output_q=out_q)
     rec.loss_after = loss_after
@@ -825,13 +832,12 @@ DIRECT_CHECK_RTOL_GRAD = 1e-3
 DIRECT_CHECK_RTOL_LOSS = 1e-5
 
 
-def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q, act_module, fn, steps):
-    """(:class:`DirectLayerLoss`, note) when the layer's mini-batch loss and gradient can be written out (one
-    Conv1d / Conv2d / Linear called on one cached activation, the identity or a clamp-like following activation
-    (``act_module``: the activation's module, None for none, False when it is no module), no QDrop, no output
-    quantizer, one layer with its written-out ``steps``) and agree with autograd's through ``fn`` on the first
-    mini-batch (else None: the layer trains by autograd)."""
-    if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1 or len(steps) != 1 or act_module is False:
+def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module, fn):
+    """(:class:`DirectLayerLoss`, note) when the layer's loss can be written out: one Conv1d / Conv2d / Linear
+    called on one cached activation, on its own output or through a clamp-like activation (``act_module``: the
+    activation's module, None for none, False when it is no module), no QDrop, no output quantizer; and its
+    loss on the first sample equals the forward path's (``fn``, the layer's current weights). Else None."""
+    if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1 or act_module is False:
         return None
     if node.op != "call_module" or node.kwargs or len(node.args) != 1:
         return None
@@ -843,11 +849,22 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q, a
     if node.args[0] is not a or not isinstance(x, torch.Tensor) or clamp is None \
             or DirectLayerLoss.covers(module, x, ld.target) is not None:
         return None
-    step, pqs = steps[0]
     with torch.no_grad():
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
-    # the check: autograd through the layer's own forward (fn, with the step's values as leaves) on one mini-batch
+        ref = float(_rec_loss(fn({a: x[:1]}), ld.target[:1]))
+    if not abs(direct.value([0]) - ref) <= DIRECT_CHECK_RTOL_LOSS * abs(ref) + 1e-12:
+        return None
+    return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
+
+
+def _direct_gradient_agrees(direct, fn, ld, steps, bs: int) -> bool:
+    """Whether :class:`DirectLayerLoss` gives autograd's loss and gradients through the layer's own forward
+    (``fn``, with the written-out step's values as leaves) on the first mini-batch."""
+    if len(steps) != 1:
+        return False
+    step, pqs = steps[0]
+    (a, x), = ld.q_inputs.items()
     idx = torch.arange(min(bs, x.shape[0]))
     vals = [v.detach().clone().requires_grad_() for v in step.values()]
     try:
@@ -864,10 +881,22 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q, a
         pairs = [(gw, vals[0].grad)] + ([(gb, vals[1].grad)] if len(vals) > 1 else [])
         ok = all(r is not None and g.shape == r.shape
                  and float((g - r).norm()) <= DIRECT_CHECK_RTOL_GRAD * float(r.norm()) + 1e-12 for g, r in pairs)
-        ok = ok and abs(float(lv) - float(loss.detach())) <= DIRECT_CHECK_RTOL_LOSS * abs(float(loss.detach())) + 1e-12
-    if not ok:
-        return None
-    return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
+        lf = float(loss.detach())
+        return ok and abs(float(lv) - lf) <= DIRECT_CHECK_RTOL_LOSS * abs(lf) + 1e-12
+
+
+def _direct_loss_after(direct, fn, ld, rec: LayerRecord) -> float:
+    """The finetuned layer's loss over all samples from its direct loss, checked against the forward path on the
+    first sample (the trained weight); on a mismatch the forward path's loss over all samples, and a note."""
+    (a, x), = ld.q_inputs.items()
+    with torch.no_grad():
+        lf = float(_rec_loss(fn({a: x[:1]}), ld.target[:1]))
+    ld0 = direct.value([0])
+    if math.isfinite(ld0) and abs(ld0 - lf) <= DIRECT_CHECK_RTOL_LOSS * abs(lf) + 1e-12:
+        return direct.value()
+    rec.note = (rec.note + "; " if rec.note else "") + \
+        f"direct loss {ld0:.6g} != forward loss {lf:.6g} on sample 0: loss after by forward passes"
+    return _loss_on_all(fn, ld)
 
 
 def adaround(qm, data: Any, settings: Any = None, **kw):

@@ -743,60 +743,82 @@ class DirectLayerLoss:
             return f"input rank {x.dim()} does not match the convolution"
         return None
 
+    def _forward(self, ids: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """``(pre, xb)``: the layer's output before the activation for the samples ``ids`` (contiguous float32;
+        for a depthwise layer the reused buffer, and ``xb`` None), and the batch of inputs it read."""
+        if self.depthwise:
+            from . import cpu_steps
+
+            m = self.module
+            out = self._out if self._out is not None and self._out.shape[0] == ids.numel() else None
+            self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), bias, m.kernel_size, m.stride,
+                                                    m.padding, out=out)
+            return self._out, None
+        xb = self.x.index_select(0, ids.to(self.x.device))
+        if self.linear:
+            return torch.nn.functional.linear(xb, weight, bias).contiguous(), xb
+        return self.conv(xb, weight, bias, *self.args).contiguous(), xb
+
+    def _residual(self, pre: torch.Tensor, ids: torch.Tensor, gscale: float):
+        """``(sse, g)``: ``sum r^2`` (0-d float64) of ``r = act(pre) - target[ids]`` and the output gradient
+        ``gscale * r * act'(pre)`` (in ``pre``'s memory on a CPU)."""
+        if self.fused:
+            from . import cpu_steps
+
+            sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, gscale)
+            return sse.sum(), pre
+        a = pre if self.identity else pre.clamp(self.lo, self.hi)
+        r = a - self.target.index_select(0, ids.to(pre.device))
+        sse = torch.dot(r.reshape(-1), r.reshape(-1)).double()  # float32 products and sum
+        g = r.mul_(gscale)
+        if not self.identity:
+            mask = ((pre > self.lo) & (pre < self.hi)).to(g.dtype)
+            if self.wlo:
+                mask += self.wlo * (pre == self.lo)
+            if self.whi:
+                mask += self.whi * (pre == self.hi)
+            g = g * mask
+        return sse, g
+
     def gradient(self, idx, weight: torch.Tensor, factor: float = 1.0, bias: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """``(dl/d weight, dl/d bias, l)`` with ``l = factor * loss(idx)`` for the quantized ``weight`` (float32,
         the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``; None: the fixed
         quantized bias given at construction, and no bias gradient): the gradients as new float32 tensors of the
         weight's / bias's shape, the loss as a 0-d float64 tensor on the layer's device. ``idx``: the mini-batch's
-        sample indices (a list of ints or an int64 tensor; repeats allowed)."""
-        ids = idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)
-        dev = self.x.device
-        b = self.bias if bias is None else bias
+        sample indices (a list of ints or an int64 tensor on the host; repeats allowed)."""
+        ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
+        pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
+        f = factor / (ids.numel() * self.denominator)
+        sse, g = self._residual(pre, ids, 2.0 * f)
         m = self.module
         if self.depthwise:
             from . import cpu_steps
 
-            ids = ids.contiguous()
-            out = self._out if self._out is not None and self._out.shape[0] == ids.numel() else None
-            pre = self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), b, m.kernel_size,
-                                                          m.stride, m.padding, out=out)
-            f = factor / (ids.numel() * self.denominator)
-            sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, 2.0 * f)
-            gw = cpu_steps.depthwise_wgrad(self.x, ids, pre, m.kernel_size, m.stride, m.padding)
-            return gw, (pre.sum([0, 2, 3]) if bias is not None else None), sse.sum() * f
-        xb = self.x.index_select(0, ids.to(dev))
-        if self.linear:
-            pre = torch.nn.functional.linear(xb, weight, b)
-        else:
-            pre = self.conv(xb, weight, b, *self.args)
-        pre = pre.contiguous()
-        f = factor / (ids.numel() * self.denominator)
-        if self.fused:
-            from . import cpu_steps
-
-            sse = cpu_steps.act_residual(pre, self.target, ids.contiguous(), self.lo, self.hi, self.wlo, self.whi,
-                                         2.0 * f)
-            loss = sse.sum() * f
-            g = pre
-        else:
-            a = pre if self.identity else pre.clamp(self.lo, self.hi)
-            r = a - self.target.index_select(0, ids.to(dev))
-            loss = torch.dot(r.reshape(-1), r.reshape(-1)).double() * f  # float32 products, float64 scaling
-            g = r.mul_(2.0 * f)
-            if not self.identity:
-                m = ((pre > self.lo) & (pre < self.hi)).to(g.dtype)
-                if self.wlo:
-                    m += self.wlo * (pre == self.lo)
-                if self.whi:
-                    m += self.whi * (pre == self.hi)
-                g = g * m
-        if self.linear:
+            gw = cpu_steps.depthwise_wgrad(self.x, ids, g, m.kernel_size, m.stride, m.padding)
+        elif self.linear:
             g2 = g.reshape(-1, g.shape[-1])
             gw = g2.t().matmul(xb.reshape(-1, xb.shape[-1]))
-            gb = g2.sum(0) if bias is not None else None
         else:
             gw = torch.ops.aten.convolution_backward(g, xb, weight, None, *self.args[:3], False,
                                                      [0] * (xb.dim() - 2), self.args[3], [False, True, False])[1]
-            gb = g.sum([0] + list(range(2, g.dim()))) if bias is not None else None
-        return gw, gb, loss
+        gb = None
+        if bias is not None:
+            gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
+        return gw, gb, sse * f
+
+    @torch.no_grad()
+    def value(self, idx=None, chunk: int = 4) -> float:
+        """The loss of the samples ``idx`` (a list of ints; None: all) with the layer's current quantized weight
+        and bias (the module's, through its quantizers), divided like ``_rec_loss`` and averaged over the
+        samples: the forward path's loss over them (float64 sums on a CPU), in chunks of ``chunk`` samples."""
+        m = self.module
+        weight = m.weight.detach().to(torch.float32)
+        bias = m.bias.detach().to(torch.float32) if getattr(m, "bias", None) is not None else None
+        ids = list(range(self.x.shape[0])) if idx is None else list(idx)
+        total = 0.0
+        for a in range(0, len(ids), chunk):
+            part = torch.tensor(ids[a:a + chunk], dtype=torch.int64)
+            pre, _ = self._forward(part, weight, bias)
+            total += float(self._residual(pre, part, 0.0)[0])
+        return total / (len(ids) * self.denominator)

@@ -370,7 +370,8 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
 def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
     """Without Gram matrices, the written-out steps train every layer on the direct loss (no autograd; the
     through-activation layers of AdaQuant through their ReLU, the classifier through the Softmax excepted): the
-    same layers improve by about as much as with autograd's forward path, and the result exports bit-exactly."""
+    same layers improve by about as much as with autograd's forward path, their losses before (and after, checked
+    on sample 0) from the direct forward, and the result exports bit-exactly."""
     import importlib
 
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
@@ -393,6 +394,7 @@ def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
     assert not any("direct loss" in r.note for r in reps[False])
     for a, b in zip(reps[False], reps[True]):
         assert a.name == b.name
+        assert b.loss_before == pytest.approx(a.loss_before, rel=1e-5)  # the direct forward vs fn's, same weights
         assert abs(b.loss_after - a.loss_after) <= 0.1 * max(a.loss_before, b.loss_before), (a, b)
         if algorithm == "adaround":
             assert b.loss_after < b.loss_before
