@@ -724,6 +724,11 @@ class DirectLayerLoss:
         self.depthwise = (self.fused and isinstance(module, nn.Conv2d) and x.is_contiguous()
                           and module.groups == module.in_channels == module.out_channels
                           and tuple(module.dilation) == (1, 1))
+        # a 1x1 stride-1 Conv2d: a batched product into one buffer reused every iteration (torch's convolution
+        # allocates its output: page faults every call for a [2, 96, 112, 112] output, 1.65 -> 0.82 ms on one thread)
+        self.pointwise = (isinstance(module, nn.Conv2d) and module.groups == 1 and x.device.type == "cpu"
+                          and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
+                          and tuple(module.padding) == (0, 0))
         self._out: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -755,6 +760,16 @@ class DirectLayerLoss:
                                                     m.padding, out=out)
             return self._out, None
         xb = self.x.index_select(0, ids.to(self.x.device))
+        if self.pointwise:
+            n, c, h, w = xb.shape
+            out_c = weight.shape[0]
+            out = self._out if self._out is not None and self._out.shape == (n, out_c, h * w) else None
+            if out is None:
+                out = self._out = torch.empty(n, out_c, h * w, dtype=torch.float32)
+            torch.matmul(weight.reshape(out_c, c), xb.reshape(n, c, h * w), out=out)
+            if bias is not None:
+                out.add_(bias.reshape(1, out_c, 1))
+            return out.view(n, out_c, h, w), xb
         if self.linear:
             return torch.nn.functional.linear(xb, weight, bias).contiguous(), xb
         return self.conv(xb, weight, bias, *self.args).contiguous(), xb
