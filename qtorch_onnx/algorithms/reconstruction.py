@@ -667,6 +667,10 @@ def activation_clamp(module: Optional[nn.Module]) -> Optional[Tuple[float, float
     return (lo, hi, float(probe.grad[0]), float(probe.grad[1]))
 
 
+#: the direct loss runs a 1x1 convolution as a batched product into a reused buffer from this many positions per plane
+POINTWISE_MIN_PLANE = 64
+
+
 class DirectLayerLoss:
     """The reconstruction loss of a Conv1d / Conv2d / Linear layer, optionally through a following clamp-like
     activation, and its gradient with respect to the layer's quantized weight and bias, written out: no
@@ -724,11 +728,13 @@ class DirectLayerLoss:
         self.depthwise = (self.fused and isinstance(module, nn.Conv2d) and x.is_contiguous()
                           and module.groups == module.in_channels == module.out_channels
                           and tuple(module.dilation) == (1, 1))
-        # a 1x1 stride-1 Conv2d: a batched product into one buffer reused every iteration (torch's convolution
-        # allocates its output: page faults every call for a [2, 96, 112, 112] output, 1.65 -> 0.82 ms on one thread)
+        # a 1x1 stride-1 Conv2d on planes of POINTWISE_MIN_PLANE positions or more: a batched product into one buffer
+        # reused every iteration (torch's convolution allocates its output: page faults every call for a
+        # [2, 96, 112, 112] output, 1.65 -> 0.82 ms on one thread; on 1x1 planes the batched product is a slow
+        # matrix-vector path, 0.95 ms against the convolution's 0.07 for 1280 x 512)
         self.pointwise = (isinstance(module, nn.Conv2d) and module.groups == 1 and x.device.type == "cpu"
                           and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
-                          and tuple(module.padding) == (0, 0))
+                          and tuple(module.padding) == (0, 0) and x.shape[2] * x.shape[3] >= POINTWISE_MIN_PLANE)
         self._out: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -821,6 +827,15 @@ class DirectLayerLoss:
         if bias is not None:
             gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
         return gw, gb, sse * f
+
+    @torch.no_grad()
+    def output(self, idx) -> torch.Tensor:
+        """The layer's output through its activation for the samples ``idx`` (a list of ints) with its current
+        quantized weight and bias (the module's): what the forward path computes, as a new float32 tensor."""
+        m = self.module
+        bias = m.bias.detach().to(torch.float32) if getattr(m, "bias", None) is not None else None
+        pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), m.weight.detach().to(torch.float32), bias)
+        return pre.clone() if self.identity else pre.clamp(self.lo, self.hi)
 
     @torch.no_grad()
     def value(self, idx=None, chunk: int = 4) -> float:

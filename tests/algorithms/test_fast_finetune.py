@@ -307,8 +307,9 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
     (lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), (5, 4, 8, 8)),    # depthwise
     (lambda: torch.nn.Conv2d(3, 3, 5, stride=2, padding=2, groups=3), (5, 3, 23, 20)),  # depthwise, strided
     (lambda: torch.nn.Conv2d(4, 8, 3, padding=1, groups=4), (5, 4, 8, 8)),    # two outputs per channel
-    (lambda: torch.nn.Conv2d(6, 5, 1, bias=False), (5, 6, 7, 3)),             # 1x1: a batched product
-    (lambda: torch.nn.Conv2d(6, 5, 1), (5, 6, 7, 3)),
+    (lambda: torch.nn.Conv2d(6, 5, 1, bias=False), (5, 6, 9, 8)),             # 1x1: a batched product
+    (lambda: torch.nn.Conv2d(6, 5, 1), (5, 6, 9, 8)),
+    (lambda: torch.nn.Conv2d(6, 5, 1), (5, 6, 7, 3)),                         # 1x1 on small planes: a convolution
     (lambda: torch.nn.Conv1d(3, 4, 5, stride=2, padding=2), (5, 3, 17)),
     (lambda: torch.nn.Linear(7, 3), (5, 7)),
     (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),                               # loss sums over dim 1 (tokens)
@@ -345,7 +346,7 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
     direct = DirectLayerLoss(m, x, target, clamp, m.bias)
     assert direct.fused == fused
     assert direct.depthwise == (fused and isinstance(m, torch.nn.Conv2d) and m.groups == m.out_channels > 1)
-    assert direct.pointwise == (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1))
+    assert direct.pointwise == (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) and shape[2] * shape[3] >= 64)
     for idx, train_bias in (([0, 3], False), ([2, 2, 4], True), ([1], True)):
         if train_bias and m.bias is None:
             continue
