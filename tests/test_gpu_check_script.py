@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import onnx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +54,9 @@ def test_gpu_e2e_runs_on_cpu(tmp_path):
 
 
 def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
-    """--ft-cpu-baseline also times MemOptLevel 0 and autograd through the quantizers; AdaQuant's written-out
-    step trains the same values as autograd (the same arithmetic), so the variants' losses agree."""
+    """--ft-cpu-baseline also times MemOptLevel 0 and autograd through the quantizers; MemOptLevel changes no
+    arithmetic (the same losses to the bit), and AdaQuant's written-out step trains what autograd trains (its
+    direct loss rounds its products and sums differently: the losses agree to float rounding)."""
     gpu_e2e, model = _gpu_e2e_and_model(tmp_path)
     rc = gpu_e2e.main(["--device", "cpu", "--model", str(model), "--samples", "4", "--steps", "1",
                        "--configs", "A8W8", "--ft-algorithm", "adaquant", "--ft-cpu-baseline",
@@ -63,4 +65,4 @@ def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
     assert rc == 0, rec
     losses = [rec[k]["loss_after_sum"] for k in ("fast_finetune", "fast_finetune_mem_opt_level_0",
                                                  "fast_finetune_autograd")]
-    assert losses[0] == losses[1] == losses[2], losses
+    assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], rel=1e-6), losses

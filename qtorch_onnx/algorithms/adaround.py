@@ -123,6 +123,8 @@ class AdaRoundStep:
         edge = ((base < self.lo) | (base + 1.0 > self.hi)).reshape(-1).nonzero().reshape(-1)
         self.edge = edge if edge.numel() else None
         self._saved: Optional[Tuple[torch.Tensor, ...]] = None
+        # the soft-quantized weight of alpha as the last fused Adam step left it (computed in that pass), or None
+        self._next: Optional[torch.Tensor] = None
         # the fused CPU loops (cpu_steps.c) where they apply; :meth:`check` keeps them only if they agree with
         # the torch step
         self.layout = None
@@ -173,6 +175,9 @@ class AdaRoundStep:
             from . import cpu_steps
 
             self._saved = ()
+            nxt, self._next = self._next, None
+            if nxt is not None:  # the fused step's: the same bits, no pass
+                return nxt
             return cpu_steps.adaround_values(self.layout, self.alpha.detach(), self.floor, self.lo, self.hi)
         s = torch.sigmoid(self.alpha)
         hr = s * (ZETA - GAMMA) + GAMMA
@@ -206,7 +211,9 @@ class AdaRoundStep:
         out when ``beta`` is None: the warm start), given ``grad_wq = dloss/dwq`` (float32, the weight's
         shape) for the weight of the last :meth:`weight` call. With ``adam`` (a
         :class:`~qtorch_onnx.algorithms.cpu_steps.AdamMoments`, the fused CPU loops only): Adam's step on
-        ``alpha`` in the same pass instead, ``alpha.grad`` None.
+        ``alpha`` in the same passes instead, ``alpha.grad`` None, and the new ``alpha``'s soft-quantized
+        weight computed there for the next :meth:`weight` call (which assumes nothing else changes ``alpha`` in
+        between, as fast finetune's loop does not).
 
         The masks are float arithmetic (``1 - sign(|hr - h|)``) and an index list of the elements that can be
         clamped, not boolean tensors: on a CPU a boolean comparison or a multiply by one costs 4-8 float
@@ -216,9 +223,11 @@ class AdaRoundStep:
         if self.layout is not None:
             from . import cpu_steps
 
+            nxt = torch.empty_like(self.alpha) if adam is not None else None
             self.alpha.grad = cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo,
-                                                      self.hi, grad_wq.contiguous(), beta, reg_param, adam=adam)
-            self._saved = None
+                                                      self.hi, grad_wq.contiguous(), beta, reg_param, adam=adam,
+                                                      next_values=nxt)
+            self._saved, self._next = None, nxt
             return
         s, hr, h, c = self._saved
         # alpha's strides (a transposed MatMul weight's): optimizers expect a gradient laid out like its parameter

@@ -264,10 +264,10 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             bits (calibrated or learned scale, held fixed) and the step's values equal the quantizer's
             (checked); other layers, and False, use autograd through the quantizers. On a CPU the steps run as
             fused C loops (:mod:`~qtorch_onnx.algorithms.cpu_steps`, Adam's step in the gradient pass;
-            ``QTORCH_ONNX_CPU_STEPS=0`` keeps them in torch). In torch, AdaQuant trains the same values as
-            autograd (the same arithmetic) and AdaRound's differ in float rounding order only; the C loops add
-            their own sigmoid / power approximations and Adam's roundings (docs/benchmarks.md, "Fast finetune
-            vs Quark 0.13 with the fused CPU loops").
+            ``QTORCH_ONNX_CPU_STEPS=0`` keeps them in torch). In torch, AdaQuant's step is autograd's arithmetic
+            and AdaRound's differs in float rounding order only; the direct loss rounds its products and sums
+            in its own order, and the C loops add their own sigmoid / power approximations and Adam's roundings
+            (docs/benchmarks.md, "Fast finetune vs Quark 0.13 with the fused CPU loops").
         through_activation: a layer whose output goes only to a Relu / LeakyRelu / Gelu / Tanh / Clip /
             Sigmoid / Softmax (:data:`ACTIVATION_OPS`) is reconstructed on that activation's output (quantized
             layer output through the activation vs the float one), as Quark 0.13 does for both algorithms; not

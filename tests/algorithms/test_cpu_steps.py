@@ -296,3 +296,33 @@ def test_depthwise_forward_and_weight_gradient_equal_torch(channels, size, kerne
     assert torch.equal(y1, y2) and torch.equal(gw1, gw2)
     torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw1, ref_w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((6, 1000), 0, False), ((50, 9), None, False)])
+def test_adaround_step_with_next_values(shape, axis, asymmetric):
+    """The gradient pass with Adam's step gives the same alpha and moments with or without the next values, and the
+    next values are the values call's bits for the updated alpha: rows shorter and longer than a chunk, rows that
+    straddle chunks, per channel (with zero points) and per tensor."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=gen)
+    scale = (w.abs().amax(dim=1) / 127).reshape(-1, 1) if axis is not None else w.abs().max() / 127
+    zp = torch.randint(-3, 4, (shape[0], 1), generator=gen).float() if asymmetric else None
+    alpha, gwq = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    floor = torch.floor(w / scale)
+    layout = cpu_steps.RowLayout.of(alpha, scale, zp, axis)
+    results = []
+    for with_next in (False, True):
+        a = alpha.clone()
+        opt = _FusedAdam([a], 1e-2)
+        nxt = torch.full(shape, float("nan")) if with_next else None
+        for beta in (None, 7.5):
+            cpu_steps.adaround_grad(layout, a, floor, -128, 127, gwq, beta, 0.01, adam=opt.fused_moments(a),
+                                    next_values=nxt)
+            if with_next:
+                ref = cpu_steps.adaround_values(layout, a, floor, -128, 127)
+                assert torch.equal(nxt.view(torch.int32), ref.view(torch.int32))
+        results.append((a, *opt.state[id(a)][:2]))
+    for x, y in zip(*results):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))

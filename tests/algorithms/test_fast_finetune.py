@@ -670,6 +670,16 @@ def test_adaround_step_equals_autograd(config, weight_type, per_channel, symmetr
             assert (ref == 0).any() and (ref != 0).any()
         with pytest.raises(RuntimeError, match="before weight"):
             step.backward(upstream.clone())
+        if step.layout is not None:  # Adam fused into the gradient pass: the next weight() is what it computed
+            from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+            step.weight()
+            step.set_grads([upstream.clone()], 13.25, 0.01, optimizer=_FusedAdam([hook.alpha], 1e-2))
+            assert hook.alpha.grad is None and step._next is not None
+            got = step.weight()
+            assert step._next is None
+            assert torch.equal(got, cpu_steps.adaround_values(step.layout, hook.alpha.detach(), step.floor, step.lo,
+                                                              step.hi))
 
 
 @pytest.mark.parametrize("config,weight_type,per_channel,symmetric,learnable", [
