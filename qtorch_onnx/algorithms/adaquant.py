@@ -60,6 +60,8 @@ class AdaQuantStep:
             self.bias_scale, self.bias_scale64 = bs.to(torch.float32).clone(), bs.to(torch.float64)
             self.bias_range = tuple(float(v) for v in _integer.quant_range(fq_b.fmt))
         self._saved: Optional[List[Optional[torch.Tensor]]] = None
+        # (wq, outside) of the weight as the last fused Adam step left it (computed in that pass), or None
+        self._next = None
         # the weight by the fused CPU loop (cpu_steps.c) where it applies; :meth:`check` keeps it only if it
         # gives the quantizer's bits
         from . import cpu_steps
@@ -97,7 +99,9 @@ class AdaQuantStep:
         if self.layout is not None:  # one fused CPU loop, the same bits
             from . import cpu_steps
 
-            wq, outside = cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)
+            nxt, self._next = self._next, None
+            wq, outside = nxt if nxt is not None else \
+                cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)
             out = [wq]
         else:
             v = torch.div(self.weight.detach().to(torch.float32), self.scale)
@@ -126,7 +130,9 @@ class AdaQuantStep:
         """Set ``weight.grad`` (and ``bias.grad``) from ``grads = [dL/dwq (, dL/dbq)]`` for the values of the
         last :meth:`values` call (``beta`` / ``reg_param``: unused, AdaQuant has no regulariser). With the fused
         CPU loop and an ``optimizer`` that offers ``fused_moments`` (fast finetune's Adam), Adam's step on the
-        weight is taken in the same pass as its straight-through gradient and ``weight.grad`` stays None."""
+        weight is taken in the same pass as its straight-through gradient, ``weight.grad`` stays None, and the
+        new weight's quantized values are computed there for the next :meth:`values` call (which assumes
+        nothing else changes the weight in between, as fast finetune's loop does not)."""
         if self._saved is None:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
@@ -135,8 +141,8 @@ class AdaQuantStep:
         if self.layout is not None and moments is not None:
             from . import cpu_steps
 
-            cpu_steps.adaquant_adam(self.layout, self.weight.detach(), gw.contiguous(), outside,
-                                    moments(self.weight))
+            self._next = cpu_steps.adaquant_adam(self.layout, self.weight.detach(), gw.contiguous(), outside,
+                                                 moments(self.weight), next_range=(self.lo, self.hi))
             self.weight.grad = None
         else:
             # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused

@@ -228,12 +228,26 @@ __attribute__((noinline)) static void adaquant_adam_row(int64_t n, float *restri
         w[i] = adam_update(w[i], gwq[i] - gwq[i] * outside[i], m + i, v + i, b1, b2, eps, step, inv_c2);
 }
 
+/* ... over rows [r0, r1); with next / next_outside (not NULL), in chunks of ACH elements, each followed by the new
+ * weight's values (adaquant_values_row, per row segment: the values call's bits) while the chunk is in cache */
 void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gwq,
                       const float *outside, float *m, float *v, float b1, float b2, float eps, float lr_c1,
-                      float inv_c2) {
-    (void)channels;
-    adaquant_adam_row((r1 - r0) * inner, w + r0 * inner, gwq + r0 * inner, outside + r0 * inner, m + r0 * inner,
-                      v + r0 * inner, b1, b2, eps, lr_c1, inv_c2);
+                      float inv_c2, const float *scale, const float *zp, float lo, float hi, float *next,
+                      float *next_outside) {
+    int64_t e0 = r0 * inner, e1 = r1 * inner;
+    if (next == NULL) {
+        adaquant_adam_row(e1 - e0, w + e0, gwq + e0, outside + e0, m + e0, v + e0, b1, b2, eps, lr_c1, inv_c2);
+        return;
+    }
+    for (int64_t c0 = e0; c0 < e1; c0 += ACH) {
+        int64_t len = e1 - c0 < ACH ? e1 - c0 : ACH;
+        adaquant_adam_row(len, w + c0, gwq + c0, outside + c0, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
+        for (int64_t q = c0; q < c0 + len;) {
+            int64_t r = q / inner, end = (r + 1) * inner < c0 + len ? (r + 1) * inner : c0 + len, c = r % channels;
+            adaquant_values_row(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, next + q, next_outside + q);
+            q = end;
+        }
+    }
 }
 
 void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *w, const float *scale,

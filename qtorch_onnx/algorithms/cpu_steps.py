@@ -123,6 +123,8 @@ def library() -> Optional[ctypes.CDLL]:
     the build or load fails (warned once, with the reason; the steps then run their torch code)."""
     if os.environ.get(ENV_SWITCH, "1").strip() == "0":
         return None
+    if "lib" in _state:  # loaded (or failed) once: no lock on the steps' hot path
+        return _state["lib"]
     with _lock:
         if "lib" in _state:
             return _state["lib"]
@@ -143,7 +145,7 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
             adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
             lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr]
-            lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam
+            lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
             lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
@@ -237,8 +239,10 @@ def _run(fn, layout: RowLayout, *args) -> None:
     """``fn(r0, r1, channels, inner, *args)`` over all rows: one call, or row ranges on torch's intra-op thread
     count for weights of ``PARALLEL_MIN`` elements or more."""
     n = layout.rows * layout.inner
-    pool = _pool() if n >= PARALLEL_MIN and layout.rows > 1 else None
-    _split(fn, layout.rows, pool, lambda i, a, b: (a, b, layout.channels, layout.inner, *args))
+    if n < PARALLEL_MIN or layout.rows == 1:  # one call, no pool lookup (most layers: a few microseconds saved)
+        fn(0, layout.rows, layout.channels, layout.inner, *args)
+        return
+    _split(fn, layout.rows, _pool(), lambda i, a, b: (a, b, layout.channels, layout.inner, *args))
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -297,11 +301,17 @@ def _adam_args(adam: Optional[AdamMoments]):
 
 
 def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor, outside: torch.Tensor,
-                  adam: AdamMoments) -> None:
+                  adam: AdamMoments, next_range=None):
     """AdaQuant's straight-through gradient ``dL/dw = dL/dwq * (1 - outside)`` and Adam's step on ``weight`` (in
-    place) in one pass; all contiguous float32 of the weight's shape."""
+    place) in one pass; all contiguous float32 of the weight's shape. With ``next_range = (qmin, qmax)``: returns
+    :func:`adaquant_values` of the updated weight (the same bits), computed chunk by chunk while the weight is in
+    cache; else None."""
+    nxt = (torch.empty_like(weight), torch.empty_like(weight)) if next_range is not None else (None, None)
+    lo, hi = next_range if next_range is not None else (0.0, 0.0)
     _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), outside.data_ptr(),
-         *_adam_args(adam))
+         *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
+         _ptr(nxt[1]))
+    return nxt if next_range is not None else None
 
 
 def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: float):

@@ -748,6 +748,7 @@ class _FusedAdam:
         self.params, self.lr = list(params), float(lr)
         self.state: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.counts: Dict[int, int] = {}
+        self._stale: set = set()  # parameters whose step-count tensor lags the host's count (fused_moments)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -768,9 +769,9 @@ class _FusedAdam:
         as :meth:`step`; the arithmetic is torch.optim.Adam's, the bits may differ in the last place."""
         from .cpu_steps import AdamMoments
 
-        exp_avg, exp_avg_sq, count = self._state(p)
-        count.add_(1)  # the state as step() keeps it; the host's count beside it (no tensor read)
-        t = self.counts[id(p)] = self.counts.get(id(p), 0) + 1
+        exp_avg, exp_avg_sq, _ = self._state(p)
+        t = self.counts[id(p)] = self.counts.get(id(p), 0) + 1  # the host's count; step() syncs the tensor's
+        self._stale.add(id(p))
         return AdamMoments(exp_avg, exp_avg_sq, 0.9, 0.999, 1e-8, self.lr / (1.0 - 0.9 ** t),
                            1.0 / math.sqrt(1.0 - 0.999 ** t))
 
@@ -780,7 +781,10 @@ class _FusedAdam:
         if not ps:
             return
         st = [self._state(p) for p in ps]
-        for p in ps:
+        for p, t in zip(ps, st):
+            if id(p) in self._stale:  # counted by fused_moments only so far: the tensor takes the host's count
+                t[2].fill_(self.counts[id(p)])
+                self._stale.discard(id(p))
             self.counts[id(p)] = self.counts.get(id(p), 0) + 1
         steps = [t[2] for t in st]
         torch._foreach_add_(steps, 1)

@@ -224,7 +224,10 @@ def test_fused_adam_step_matches_torch_adam():
         wp.grad = gwq * (1 - cpu_steps.adaquant_values(layout, wp, -128, 127)[1])
         opt_wp.step()
         torch.testing.assert_close(wf, wp, rtol=1e-5, atol=1e-7)
-    assert not torch.equal(fused, alpha0) and float(opt_f.state[id(fused)][2]) == 6.0
+    assert not torch.equal(fused, alpha0) and opt_f.counts[id(fused)] == 6
+    fused.grad = torch.zeros(shape)  # a plain step after fused ones: the step-count tensor catches up first
+    opt_f.step()
+    assert float(opt_f.state[id(fused)][2]) == 7.0 and opt_f.counts[id(fused)] == 7
 
 
 @pytest.mark.parametrize("lo,hi,wlo,whi", [
@@ -324,5 +327,36 @@ def test_adaround_step_with_next_values(shape, axis, asymmetric):
                 ref = cpu_steps.adaround_values(layout, a, floor, -128, 127)
                 assert torch.equal(nxt.view(torch.int32), ref.view(torch.int32))
         results.append((a, *opt.state[id(a)][:2]))
+    for x, y in zip(*results):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((50, 9), None, False)])
+def test_adaquant_adam_with_next_values(shape, axis, asymmetric):
+    """AdaQuant's fused Adam step gives the same weight and moments with or without the next values, and the next
+    values are adaquant_values' bits (the weight and its saturation mask) for the updated weight."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(shape, generator=gen)
+    scale = (w.abs().amax(dim=1) / 150).reshape(-1, 1) if axis is not None else w.abs().max() / 150
+    zp = torch.randint(-3, 4, (shape[0], 1), generator=gen).float() if asymmetric else None
+    layout = cpu_steps.RowLayout.of(w, scale, zp, axis)
+    gwq = torch.randn(shape, generator=gen)
+    results = []
+    for with_next in (False, True):
+        p = w.clone()
+        opt = _FusedAdam([p], 1e-1)
+        for _ in range(3):
+            _, outside = cpu_steps.adaquant_values(layout, p, -128, 127)
+            nxt = cpu_steps.adaquant_adam(layout, p, gwq, outside, opt.fused_moments(p),
+                                          next_range=(-128, 127) if with_next else None)
+            if with_next:
+                ref = cpu_steps.adaquant_values(layout, p, -128, 127)
+                assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(nxt, ref))
+                assert bool(ref[1].any())  # some weights saturate
+            else:
+                assert nxt is None
+        results.append((p, *opt.state[id(p)][:2]))
     for x, y in zip(*results):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))

@@ -723,6 +723,16 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
         b.requires_grad_(False)
         with pytest.raises(RuntimeError, match="before values"):
             step.set_grads([upstream_w, upstream_b])
+        if step.layout is not None:  # Adam fused into the gradient pass: the next values() are what it computed
+            from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+            step.values()
+            step.set_grads([upstream_w.clone(), upstream_b.clone()], optimizer=_FusedAdam([w, b], 1e-2))
+            assert w.grad is None and step._next is not None
+            got = step.values()
+            assert step._next is None
+            with torch.no_grad():
+                assert torch.equal(got[0].view(torch.int32), getattr(layer.module, "weight").view(torch.int32))
 
 
 @pytest.mark.parametrize("algorithm,kw,step_name", [
