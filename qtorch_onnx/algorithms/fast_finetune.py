@@ -561,11 +561,16 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if lossfn is not None and quad is None:
             rows = list(table.unbind(0))  # the direct loss's index_select takes the host rows
     draw = 0
+    # the written-out losses skip their loss's products on iterations where nothing reads it: read are the
+    # divergence checks every DIVERGENCE_CHECK iterations (with the trained tensors, which keep a NaN or Inf
+    # gradient: _finite), the last iteration, EarlyStop's windows after the warm start and LogPeriod's lines
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
         for it in it_bar:
             opt.zero_grad(set_to_none=True)
             rec_value = None
+            want_loss = ((it + 1) % DIVERGENCE_CHECK == 0 or it + 1 == s.num_iterations or (s.early_stop and it >= warm)
+                         or bool(s.log_period and (it + 1) % s.log_period == 0))
             vals, g_quad = None, None
             if steps is not None:  # the quantized tensors, by hand; the forward path sees them as autograd leaves
                 vals = [st.values() for st, _ in steps]
@@ -580,12 +585,14 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 if lossfn is not None:  # the same mini-batch loss and gradient, written out
                     if vals is not None:  # host indices: no device round trip
                         gw, gb, v = lossfn.gradient(idx, vals[0][0], 1.0 / s.num_batches,
-                                                    bias=vals[0][1] if len(vals[0]) > 1 else None)
+                                                    bias=vals[0][1] if len(vals[0]) > 1 else None,
+                                                    want_loss=want_loss)
                         g_quad = [gw, gb] if g_quad is None else \
                             [g_quad[0].add_(gw), None if gb is None else g_quad[1].add_(gb)]
                     else:
                         v = quad.backward(idx, 1.0 / s.num_batches)
-                    rec_value = v if rec_value is None else rec_value + v
+                    if v is not None:
+                        rec_value = v if rec_value is None else rec_value + v
                     continue
                 idx = idx.to(device) if dev_table is None else dev_table[draw - 1]
                 inputs = {}
@@ -604,8 +611,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                 loss.backward()
             # the sum of every loss so far: non-finite once any loss was (NaN and infinities survive a sum), one
             # addition an iteration instead of a test and an or
-            nonfinite = rec_value if nonfinite is None else nonfinite + rec_value
-            if (it + 1) % DIVERGENCE_CHECK == 0 and not bool(torch.isfinite(nonfinite)):
+            if rec_value is not None:
+                nonfinite = rec_value if nonfinite is None else nonfinite + rec_value
+            if (it + 1) % DIVERGENCE_CHECK == 0 and not _finite(nonfinite, params):
                 diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
                 break
             beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
@@ -635,7 +643,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         for _, pqs in steps or ():
             for pq in pqs:
                 pq.override = None
-    if not diverged and nonfinite is not None and not bool(torch.isfinite(nonfinite)):
+    if not diverged and not _finite(nonfinite, params):
         diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop
     it_bar.close()
@@ -671,6 +679,18 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
+
+
+def _finite(losses: Optional[torch.Tensor], params: List[torch.Tensor]) -> bool:
+    """Whether the running sum of the losses read so far (0-d, or None) and every trained tensor are finite: one
+    host read. A NaN or Inf gradient stays in the trained tensors (Adam's moments carry it) even where a step's
+    values hide it (the fused AdaRound step's h of a NaN alpha is clamped to 0), and the written-out losses are
+    only computed on the iterations that read them."""
+    total = losses.double() if losses is not None else None
+    for p in params:
+        s = p.detach().sum(dtype=torch.float64)
+        total = s if total is None else total + s
+    return total is None or bool(torch.isfinite(total))
 
 
 def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord) -> float:

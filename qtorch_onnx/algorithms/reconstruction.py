@@ -565,7 +565,7 @@ class QuadraticLayerLoss:
                 total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
 
     def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32,
-                  weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
+                  weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, want_loss: bool = True):
         m = self.module
         g, k, out = self.groups, self.k, self.out
         wq = m.weight if weight is None else weight
@@ -578,7 +578,7 @@ class QuadraticLayerLoss:
         R = torch.matmul(w, H).sub_(G)                    # H dw - G
         wf = w.reshape(-1)
         # dw.(H dw - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
-        sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const
+        sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const if want_loss else None
         nl = len(idx) * self.length
         bq, gb = None, None
         if self.train_bias:
@@ -586,7 +586,8 @@ class QuadraticLayerLoss:
             b = bq.detach().reshape(out)
             b = b - self.b0 if f32 and b.dtype == dtype else b.to(dtype) - self.b0.to(dtype)  # db
             ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # dw_o . s
-            sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
+            if want_loss:
+                sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
             if want_grad:
                 R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
                 gb = 2.0 * (ws + nl * b - Y)
@@ -605,22 +606,23 @@ class QuadraticLayerLoss:
             return float(self._evaluate(idx, False, torch.float64)[4]) / (len(idx) * self.denominator)
 
     def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0,
-                 bias: Optional[torch.Tensor] = None
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+                 bias: Optional[torch.Tensor] = None, want_loss: bool = True
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dl/d weight, dl/d bias, l)`` with ``l = factor * loss(idx)`` for a given quantized ``weight``
         (float32, the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``), without
         autograd: the gradients as new float32 tensors of the weight's / bias's shape (None for an untrained
-        bias), the loss as a 0-d float64 tensor on the layer's device.
+        bias), the loss as a 0-d float64 tensor on the layer's device (None with ``want_loss=False``: its
+        products are skipped).
 
         Raises:
             ValueError: ``bias`` missing with ``train_bias`` (or given without)."""
         if self.train_bias != (bias is not None):
             raise ValueError(f"QuadraticLayerLoss.gradient: train_bias={self.train_bias} needs "
                              f"{'a' if self.train_bias else 'no'} bias")
-        _, R, _, gb, sse = self._evaluate(idx, True, weight=weight, bias=bias)
+        _, R, _, gb, sse = self._evaluate(idx, True, weight=weight, bias=bias, want_loss=want_loss)
         f = factor / (len(idx) * self.denominator)
         return (R.mul_(2.0 * f).reshape(weight.shape), None if gb is None else gb.mul_(f).reshape(bias.shape),
-                sse * f)
+                None if sse is None else sse * f)
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight
@@ -801,13 +803,14 @@ class DirectLayerLoss:
             g = g * mask
         return sse, g
 
-    def gradient(self, idx, weight: torch.Tensor, factor: float = 1.0, bias: Optional[torch.Tensor] = None
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    def gradient(self, idx, weight: torch.Tensor, factor: float = 1.0, bias: Optional[torch.Tensor] = None,
+                 want_loss: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dl/d weight, dl/d bias, l)`` with ``l = factor * loss(idx)`` for the quantized ``weight`` (float32,
         the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``; None: the fixed
         quantized bias given at construction, and no bias gradient): the gradients as new float32 tensors of the
-        weight's / bias's shape, the loss as a 0-d float64 tensor on the layer's device. ``idx``: the mini-batch's
-        sample indices (a list of ints or an int64 tensor on the host; repeats allowed)."""
+        weight's / bias's shape, the loss as a 0-d float64 tensor on the layer's device (None with
+        ``want_loss=False``). ``idx``: the mini-batch's sample indices (a list of ints or an int64 tensor on the
+        host; repeats allowed)."""
         ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
         pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
         f = factor / (ids.numel() * self.denominator)
@@ -826,7 +829,7 @@ class DirectLayerLoss:
         gb = None
         if bias is not None:
             gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
-        return gw, gb, sse * f
+        return gw, gb, (sse * f if want_loss else None)
 
     @torch.no_grad()
     def output(self, idx) -> torch.Tensor:

@@ -517,6 +517,43 @@ def test_a_gate_is_not_a_residual_block():
     assert [r.name for r in qm.finetune_report.layers] == ["stem", "a", "b", "c", "fc"]
 
 
+@pytest.mark.parametrize("algorithm", ["adaround", "adaquant"])
+def test_written_out_divergence_found_between_loss_reads(monkeypatch, algorithm):
+    """The written-out losses skip their loss on iterations nobody reads it; a NaN gradient on such an iteration
+    (the third) is still found at the next check (the trained tensors carry it, even where the fused AdaRound
+    step's values clamp a NaN alpha away), and the layer is restored; the loss is computed on check iterations
+    only."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    calls = {"n": 0, "loss": 0}
+    for cls in (rc.QuadraticLayerLoss, rc.DirectLayerLoss):
+        def poisoned(self, idx, weight, factor=1.0, bias=None, want_loss=True, _orig=cls.gradient):
+            gw, gb, v = _orig(self, idx, weight, factor, bias=bias, want_loss=want_loss)
+            calls["n"] += 1
+            calls["loss"] += v is not None
+            if calls["n"] == 3:
+                assert v is None
+                gw = gw.clone()
+                gw.view(-1)[0] = float("nan")
+            return gw, gb, v
+        monkeypatch.setattr(cls, "gradient", poisoned)
+    qm = _prepared("A8W8")
+    first = qm.layers()[0]
+    w0 = first.weight.detach().clone()
+    with pytest.warns(UserWarning, match="diverged"):
+        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=40, batch_size=2, progress=False,
+                      **({"update_bias": True} if algorithm == "adaquant" else {}))
+    rec = qm.finetune_report.layers[0]
+    assert rec.name == first.name and not rec.kept and "diverged" in rec.note and rec.iterations == ff.DIVERGENCE_CHECK
+    assert torch.equal(first.weight.detach(), w0)
+    assert all(r.kept for r in qm.finetune_report.layers[1:])
+    its = sum(r.iterations for r in qm.finetune_report.layers if "direct loss" in r.note or "quadratic" in r.note)
+    checks = sum("direct loss" in r.note for r in qm.finetune_report.layers)  # one checked mini-batch each
+    assert calls["n"] == its + checks and calls["loss"] == its // ff.DIVERGENCE_CHECK + checks
+
+
 def test_block_reconstruction_is_deterministic_and_restores_a_diverged_block():
     data = calib_data(8)
     runs = []
