@@ -23,7 +23,7 @@ product per iteration instead of a convolution forward and backward; the loss be
 the loss after their quadratic form, checked against the layer's forward on one sample). Elsewhere a single
 layer on its own output or through a ReLU / Clip trains on its written-out forward and weight-gradient
 convolutions without autograd (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`, checked against
-autograd on its first mini-batch). Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
+autograd on its first sample). Adam runs fused where torch has the kernel. ``DropRatio`` < 1 feeds the float
 input instead of the quantized one to a random fraction of the elements (QDrop, Wei et al. 2022).
 ``SelectiveUpdate`` keeps a layer's update only if it lowers the layer's loss on the whole data. A loss that
 turns NaN stops that layer and restores it.
@@ -258,7 +258,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             baked Clip, then runs without autograd too
             (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`: its forward and weight-gradient
             convolutions, the residual, loss and activation mask in one pass; kept only if it gives autograd's
-            loss and gradient on the first mini-batch); other layers (blocks, QDrop, OutputQDQ, other
+            loss and gradient on the first sample); other layers (blocks, QDrop, OutputQDQ, other
             activations) run their forward under autograd, on the step's values as leaves. Applies where
             every trained tensor is quantized through its module's parametrization on an integer grid of 2-16
             bits (calibrated or learned scale, held fixed) and the step's values equal the quantizer's
@@ -531,7 +531,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # (its forward and weight-gradient convolutions without autograd), where the steps give the values
     lossfn = quad
     if direct is not None:
-        if steps is not None and _direct_gradient_agrees(direct[0], fn, ld, steps, bs):
+        if steps is not None and _direct_gradient_agrees(direct[0], fn, ld, steps):
             lossfn = direct[0]
             rec.note = (rec.note + "; " if rec.note else "") + direct[1]
         else:
@@ -898,16 +898,16 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
     return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 
-def _direct_gradient_agrees(direct, fn, ld, steps, bs: int) -> bool:
+def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
     """Whether :class:`DirectLayerLoss` gives autograd's loss and gradients through the layer's own forward
-    (``fn``, with the written-out step's values as leaves) on the first mini-batch, against a target moved by
+    (``fn``, with the written-out step's values as leaves) on the first sample, against a target moved by
     noise of the output's root mean square (a fixed seed): the residual then dwarfs float rounding, which a layer that
     nearly reconstructs its target would amplify."""
     if len(steps) != 1:
         return False
     step, pqs = steps[0]
     (a, x), = ld.q_inputs.items()
-    b = min(bs, x.shape[0])
+    b = 1  # one sample: the same sums over positions, half an autograd pass less than a mini-batch of 2
     xb = x[:b].contiguous()
     vals = [v.detach().clone().requires_grad_() for v in step.values()]
     try:

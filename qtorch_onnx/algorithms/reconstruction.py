@@ -485,37 +485,43 @@ class QuadraticLayerLoss:
         with torch.no_grad():
             self.w0 = module.weight.detach().reshape(g, out // g, k).to(f32).clone()
             self.b0 = bias.detach().reshape(out).to(f32).clone() if self.train_bias else None
-        self.H = torch.empty(n, g, k, k, dtype=f32, device=dev)
-        self.G = torch.empty(n, g, out // g, k, dtype=f32, device=dev)
+        # every sample's H, G (and S, Y) side by side in one row of one buffer: a mini-batch's sums are one addition
+        # of rows (each a dispatch on a CPU), H / G / S / Y below are views into it
+        shapes = [(g, k, k), (g, out // g, k)] + ([(g, k), (out,)] if self.train_bias else [])
+        sizes = [math.prod(sh) for sh in shapes]
+        self._parts = list(zip([sum(sizes[:i]) for i in range(len(sizes))], sizes, shapes))
+        self._flat = torch.empty(n, sum(sizes), dtype=f32, device=dev)
+        self.H, self.G = (self._flat[:, o:o + z].view(n, *sh) for o, z, sh in self._parts[:2])
+        self.S, self.Y = (self._flat[:, o:o + z].view(n, *sh) for o, z, sh in self._parts[2:]) \
+            if self.train_bias else (None, None)
         self.C = torch.empty(n, dtype=torch.float64, device=dev)
-        self.S: Optional[torch.Tensor] = None
-        self.Y: Optional[torch.Tensor] = None
-        if self.train_bias:
-            self.S = torch.empty(n, g, k, dtype=f32, device=dev)
-            self.Y = torch.empty(n, out, dtype=f32, device=dev)
         fused = _fused_depthwise(module, x, length)
         with torch.no_grad():
             for a in range(0, n, chunk):
                 xs = x[a:a + chunk]
                 rc = _target_rows(module, target[a:a + chunk].to(f32) - module(xs).to(f32))  # [m, out, L]
                 m = rc.shape[0]
+                h = torch.empty(m, g, k, k, dtype=f32, device=dev)  # contiguous, then into the rows
+                gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)
+                sv = torch.empty(m, g, k, dtype=f32, device=dev) if self.train_bias else None
                 if fused is not None:  # depthwise: sliding sums over the padded planes, no im2col (cpu_steps.c)
                     from . import cpu_steps
 
                     xp = torch.nn.functional.pad(xs.to(f32), fused[:4]).contiguous()
                     cpu_steps.depthwise_gram(xp, module.kernel_size, module.stride, fused[4:],
-                                             rc.reshape(m, g, out // g, length).contiguous(),
-                                             self.H[a:a + m], self.G[a:a + m],
-                                             self.S[a:a + m] if self.train_bias else None)
+                                             rc.reshape(m, g, out // g, length).contiguous(), h, gg, sv)
                 else:
                     xc = _columns(module, xs).to(f32)                               # [m, g, k, L]
                     xt = xc.transpose(-1, -2)
-                    torch.matmul(xc, xt, out=self.H[a:a + m])
-                    torch.matmul(rc.reshape(m, g, out // g, length), xt, out=self.G[a:a + m])
+                    torch.matmul(xc, xt, out=h)
+                    torch.matmul(rc.reshape(m, g, out // g, length), xt, out=gg)
                     if self.train_bias:
-                        self.S[a:a + m] = xc.sum(-1)
+                        sv.copy_(xc.sum(-1))
+                self.H[a:a + m] = h
+                self.G[a:a + m] = gg
                 self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
+                    self.S[a:a + m] = sv
                     self.Y[a:a + m] = rc.sum(-1)
         self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
 
@@ -550,19 +556,15 @@ class QuadraticLayerLoss:
 
     def _batch(self, idx):
         ids = idx.tolist() if isinstance(idx, torch.Tensor) else idx
-
-        def total(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # sum of the selected samples, in order
-            if t is None:
-                return None
-            if len(ids) == 1:
-                return t[ids[0]]
-            acc = t[ids[0]] + t[ids[1]]
+        flat = self._flat
+        if len(ids) == 1:  # the sum of the selected samples' rows, in order
+            acc = flat[ids[0]]
+        else:
+            acc = flat[ids[0]] + flat[ids[1]]
             for i in ids[2:]:
-                acc.add_(t[i])
-            return acc
-
-        return (total(self.H), total(self.G), sum(self._c[i] for i in ids),
-                total(self.S) if self.train_bias else None, total(self.Y) if self.train_bias else None)
+                acc.add_(flat[i])
+        h, g, s, y = [acc[o:o + z].view(sh) for o, z, sh in self._parts] + [None] * (4 - len(self._parts))
+        return h, g, sum(self._c[i] for i in ids), s, y
 
     def _evaluate(self, idx: torch.Tensor, want_grad: bool, dtype: torch.dtype = torch.float32,
                   weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, want_loss: bool = True):
