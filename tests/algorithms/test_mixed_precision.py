@@ -86,7 +86,7 @@ def test_bisection_agrees_with_exhaustive_and_target_holds(tmp_path):
     assert all(v >= 0 for v in res.stage_seconds.values()) and res.stage_seconds["sensitivity"] > 0
     assert sum(res.stage_seconds.values()) <= res.seconds * 1.5
     for f in ("auto_mp.json", "plan.json", "sensitivity.png", "accuracy_vs_size.png"):
-        assert (tmp_path / f"bisect0.6" / f).stat().st_size > 100
+        assert (tmp_path / "bisect0.6" / f).stat().st_size > 100
 
 
 def test_plan_is_reusable_and_exports_bit_exact(tmp_path):
