@@ -67,6 +67,10 @@ class AdaQuantStep:
         from . import cpu_steps
 
         self.layout = cpu_steps.RowLayout.of(weight.detach(), self.scale, self.zp, getattr(fq_w, "axis", None))
+        # the bias by cpu_steps' bias_values / masked_adam with the weight's loops (one call each instead of about
+        # nine and four torch operations a step): a contiguous float32 CPU bias with a float32 scale
+        self.bias_fused = (self.layout is not None and bias is not None and bias.is_contiguous()
+                           and bias.dtype == torch.float32 and fq_b.scale.dtype == torch.float32)
 
     @staticmethod
     def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
@@ -113,7 +117,14 @@ class AdaQuantStep:
             c.sub_(self.zp)
             out = [c.mul_(self.scale)]
         saved: List[Optional[torch.Tensor]] = [outside, None]
-        if self.bias is not None:
+        if self.bias is not None and self.layout is not None and self.bias_fused:
+            from . import cpu_steps
+
+            bq, keep = cpu_steps.bias_values(self.bias.detach(), self.bias_scale64, self.bias_scale,
+                                             *self.bias_range)
+            out.append(bq)
+            saved[1] = keep  # 1.0 where the gradient passes: the torch path's mask, as floats
+        elif self.bias is not None:
             # quantize_bias / dequantize's arithmetic without their checks' host reads: the scale was checked
             # once (the values' comparison at setup), and a NaN bias is a divergence the loss shows, not an error.
             # Integers held in float64 convert to float32 as int64 ones do.
@@ -132,7 +143,8 @@ class AdaQuantStep:
         CPU loop and an ``optimizer`` that offers ``fused_moments`` (fast finetune's Adam), Adam's step on the
         weight is taken in the same pass as its straight-through gradient, ``weight.grad`` stays None, and the
         new weight's quantized values are computed there for the next :meth:`values` call (which assumes
-        nothing else changes the weight in between, as fast finetune's loop does not)."""
+        nothing else changes the weight in between, as fast finetune's loop does not); the bias, with the fused
+        loops, takes its Adam step in one call too (``bias.grad`` None)."""
         if self._saved is None:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
@@ -149,5 +161,12 @@ class AdaQuantStep:
             # Adam rejects any other layout
             self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
         if self.bias is not None:
-            self.bias.grad = torch.mul(grads[1].reshape(self.bias.shape), bias_mask, out=torch.empty_like(self.bias))
+            gb = grads[1].reshape(self.bias.shape)
+            if bias_mask.dtype == torch.float32 and moments is not None:  # the fused bias: Adam in one call
+                from . import cpu_steps
+
+                cpu_steps.masked_adam(self.bias.detach(), gb.contiguous(), bias_mask, moments(self.bias))
+                self.bias.grad = None
+            else:
+                self.bias.grad = torch.mul(gb, bias_mask, out=torch.empty_like(self.bias))
         self._saved = None

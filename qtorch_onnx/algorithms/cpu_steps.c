@@ -442,6 +442,28 @@ void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const floa
         sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
 }
 
+/* ----------------------------------------------------------------------------------- AdaQuant's INT32 bias */
+/* The bias quantizer's arithmetic (formats/integer.py, round_bias then dequantize): q = clamp(rint(b / s64), lo, hi)
+ * in float64 (IEEE division, round half to even, NaN kept), bq = (float)q * s32 (one float32 rounding, one float32
+ * multiply: the torch expression's bits), keep = 1 where lo < q < hi (the gradient passes), else 0 (NaN: 0). The
+ * scales have n elements, or one (s_step 0). */
+void qt_bias_values(int64_t n, const float *b, const double *s64, const float *s32, int64_t s_step, double lo,
+                    double hi, float *bq, float *keep) {
+    for (int64_t i = 0; i < n; i++) {
+        double q = rint((double)b[i] / s64[i * s_step]);
+        q = q < lo ? lo : (q > hi ? hi : q);
+        bq[i] = (float)q * s32[i * s_step];
+        keep[i] = (float)((q > lo) & (q < hi));
+    }
+}
+
+/* Adam's step on p (n floats) for the gradient g keep (the bias's straight-through gradient) */
+void qt_masked_adam(int64_t n, float *p, const float *g, const float *keep, float *m, float *v, float b1, float b2,
+                    float eps, float lr_c1, float inv_c2) {
+    for (int64_t i = 0; i < n; i++)
+        p[i] = adam_update(p[i], g[i] * keep[i], m + i, v + i, b1, b2, eps, lr_c1, inv_c2);
+}
+
 /* -------------------------------------------------------------- depthwise convolution, forward and weight gradient */
 /* The zero-padded plane of x (h x w floats; ph rows above and below, pw columns left and right) split into its sw
  * column phases: out[(r hp + row) wq + j] = xpad[row][sw j + r] (0 outside x), hp rows, wq columns per phase. A
@@ -594,4 +616,4 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 5; }
+int qt_cpu_steps_version(void) { return 6; }

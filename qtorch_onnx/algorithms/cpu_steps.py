@@ -42,11 +42,11 @@ from ..cache import cache_root, file_lock
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual",
-           "depthwise_forward", "depthwise_wgrad", "AdamMoments", "ENV_SWITCH"]
+           "depthwise_forward", "depthwise_wgrad", "bias_values", "masked_adam", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 5
+_VERSION = 6
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
 #: weights from this many elements up are split between torch's intra-op threads
@@ -149,10 +149,14 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
             lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
+            f64 = ctypes.c_double
+            lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
+            lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
             lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
-                      lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad):
+                      lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
+                      lib.qt_bias_values, lib.qt_masked_adam):
                 f.restype = None
         else:
             warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
@@ -312,6 +316,26 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
     return nxt if next_range is not None else None
+
+
+def bias_values(bias: torch.Tensor, scale64: torch.Tensor, scale32: torch.Tensor, qmin: float, qmax: float):
+    """``(bq, keep)``: AdaQuant's INT32 bias quantized as the bias quantizer does it
+    (``(clamp(round_half_even(b / s), qmin, qmax) in float64).to(float32) * s``, the same bits: ``round_bias``
+    then the float32 product) and 1.0 where ``qmin < q < qmax`` (the gradient passes), else 0.0, NaN included;
+    float32, the bias's shape. ``bias``: contiguous float32 CPU; ``scale64`` / ``scale32``: the scale as float64 /
+    float32, one element or one per bias element. One call instead of nine torch operations."""
+    n = bias.numel()
+    s64, s32 = scale64.reshape(-1).contiguous(), scale32.reshape(-1).contiguous()
+    bq, keep = torch.empty_like(bias), torch.empty_like(bias)
+    library().qt_bias_values(n, bias.data_ptr(), s64.data_ptr(), s32.data_ptr(), 0 if s64.numel() == 1 else 1,
+                             float(qmin), float(qmax), bq.data_ptr(), keep.data_ptr())
+    return bq, keep
+
+
+def masked_adam(param: torch.Tensor, grad: torch.Tensor, keep: torch.Tensor, adam: AdamMoments) -> None:
+    """Adam's step on ``param`` (in place) for the gradient ``grad * keep`` in one pass; all contiguous float32 of
+    one shape (the trained bias of :class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`)."""
+    library().qt_masked_adam(param.numel(), param.data_ptr(), grad.data_ptr(), keep.data_ptr(), *_adam_args(adam))
 
 
 def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: float):

@@ -587,12 +587,12 @@ class QuadraticLayerLoss:
             bq = m.bias if bias is None else bias
             b = bq.detach().reshape(out)
             b = b - self.b0 if f32 and b.dtype == dtype else b.to(dtype) - self.b0.to(dtype)  # db
-            ws = (w * S.unsqueeze(1)).sum(-1).reshape(out)  # dw_o . s
+            ws = torch.matmul(w, S.unsqueeze(-1)).reshape(out)  # dw_o . s, one batched product per group
             if want_loss:
                 sse = sse + (2.0 * (b * ws).sum() + nl * b.pow(2).sum() - 2.0 * (b * Y).sum()).double()
             if want_grad:
-                R.add_(b.reshape(g, out // g, 1) * S.unsqueeze(1))
-                gb = 2.0 * (ws + nl * b - Y)
+                R.baddbmm_(b.reshape(g, out // g, 1), S.unsqueeze(1))  # + db_o s^T, in place
+                gb = torch.add(ws, b, alpha=nl).sub_(Y).mul_(2.0)
         return wq, R, bq, gb, sse
 
     def start_value(self) -> float:

@@ -360,3 +360,25 @@ def test_adaquant_adam_with_next_values(shape, axis, asymmetric):
         results.append((p, *opt.state[id(p)][:2]))
     for x, y in zip(*results):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_bias_values_bit_exact(per_channel):
+    """AdaQuant's INT32 bias in one call: the bias quantizer's bits (round_bias in float64, then the float32
+    product), half-way cases, saturation at the INT32 range, NaN, infinities and signed zeros included; the
+    gradient mask is 1 strictly inside the range."""
+    from qtorch_onnx.formats import integer as _integer
+
+    gen = torch.Generator().manual_seed(5)
+    n = 40
+    s = (torch.rand(n, generator=gen) * 1e-3 + 1e-5) if per_channel else torch.tensor([3e-4])
+    b = torch.randn(n, generator=gen) * 0.1
+    b[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e9, -1e9])
+    b[6:10] = (torch.tensor([0.5, 1.5, -2.5, 3.5]) * (s[6:10] if per_channel else s).double()).float()
+    lo, hi = -(2.0 ** 31), 2.0 ** 31 - 1
+    bq, keep = cpu_steps.bias_values(b, s.double(), s, lo, hi)
+    q = _integer.round_bias(b.double(), s.double())
+    ref = q.to(torch.float32) * s
+    assert torch.equal(bq.view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(keep, ((q > lo) & (q < hi)).float())
+    assert keep[4] == 0 and keep[0] == 0 and keep[10:].all()
