@@ -664,7 +664,7 @@ def activation_clamp(module: Optional[nn.Module]) -> Optional[Tuple[float, float
         return None
     probe = torch.tensor([lo, hi], dtype=torch.float32, requires_grad=True)
     with torch.enable_grad():
-        out = module(probe)
+        out = module(probe.clone())  # a non-leaf: an in-place ReLU may write it
         if not torch.equal(out.detach(), probe.detach()):
             return None  # not the clamp assumed
         out.sum().backward()

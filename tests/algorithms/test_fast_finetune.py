@@ -314,7 +314,7 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
     (lambda: torch.nn.Linear(7, 3), (5, 7)),
     (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),                               # loss sums over dim 1 (tokens)
 ])
-@pytest.mark.parametrize("act", ["none", "relu", "clip", "clip_open"])
+@pytest.mark.parametrize("act", ["none", "relu", "relu_inplace", "clip", "clip_open"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
     """DirectLayerLoss's loss and weight / bias gradients are autograd's through the layer and its activation
@@ -332,7 +332,8 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
     monkeypatch.setattr(cpu_steps, "_state", {})  # library() reads the switch again
     torch.manual_seed(0)
     m = make()
-    module = {"none": None, "relu": torch.nn.ReLU(), "clip": OnnxClip(0.0, 0.5, baked=True),
+    module = {"none": None, "relu": torch.nn.ReLU(), "relu_inplace": torch.nn.ReLU(inplace=True),
+              "clip": OnnxClip(0.0, 0.5, baked=True),
               "clip_open": OnnxClip(None, 0.25, baked=True)}[act]
     x = torch.randn(shape)
     with torch.no_grad():
