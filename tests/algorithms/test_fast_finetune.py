@@ -404,6 +404,42 @@ def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
             assert b.loss_after < b.loss_before
 
 
+def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
+    """A direct loss whose forward disagrees with the layer's (here: an offset added to its output) fails the check
+    on sample 0 and the layer trains by autograd's forward path, as without it; one given a wrong activation once
+    past that check (a clamp at 0 where the layer has none) fails the gradient check."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+
+    def run():
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=30, batch_size=2, progress=False,
+                      quadratic_loss=False)
+        return qm.finetune_report.layers
+
+    assert any("direct loss" in r.note for r in run())
+    orig_forward = rc.DirectLayerLoss._forward
+    monkeypatch.setattr(rc.DirectLayerLoss, "_forward",
+                        lambda self, *a: (lambda out: (out[0].add_(1.0), out[1]))(orig_forward(self, *a)))
+    recs = run()
+    assert not any("direct loss" in r.note for r in recs) and all(math.isfinite(r.loss_after) for r in recs)
+    monkeypatch.undo()
+    checked = []
+    orig_check = ff._direct_gradient_agrees
+
+    def wrong_mask(direct, *a):  # a clamp at 0 without gradient there, on the layers' own (identity) outputs
+        assert direct.identity
+        direct.lo, direct.wlo, direct.identity = 0.0, 0.0, False
+        checked.append(orig_check(direct, *a))
+        return checked[-1]
+
+    monkeypatch.setattr(ff, "_direct_gradient_agrees", wrong_mask)
+    recs = run()
+    assert checked and not any(checked) and not any("direct loss" in r.note for r in recs)
+
+
 def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
     """A Gram-matrix layer's losses before (the constant term) and after (the quadratic form) equal the forward
     path's over all samples; a quadratic form that disagrees with the forward path on sample 0 after training
