@@ -558,8 +558,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         table = torch.randint(0, n, (s.num_iterations * s.num_batches, bs), generator=gen)
         dev_table = table.to(device) if lossfn is None else None
         rows = table.tolist() if quad is not None else None  # the Gram matrices sum samples by Python index
-        if lossfn is not None and quad is None:
-            rows = list(table.unbind(0))  # the direct loss's index_select takes the host rows
+        if lossfn is not None and quad is None:  # the direct loss's rows of indices, where its inputs live (one copy)
+            rows = list((table if device.type == "cpu" else table.to(device)).unbind(0))
     draw = 0
     # the written-out losses skip their loss's products on iterations where nothing reads it: read are the
     # divergence checks every DIVERGENCE_CHECK iterations (with the trained tensors, which keep a NaN or Inf

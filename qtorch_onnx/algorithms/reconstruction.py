@@ -811,8 +811,8 @@ class DirectLayerLoss:
         the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``; None: the fixed
         quantized bias given at construction, and no bias gradient): the gradients as new float32 tensors of the
         weight's / bias's shape, the loss as a 0-d float64 tensor on the layer's device (None with
-        ``want_loss=False``). ``idx``: the mini-batch's sample indices (a list of ints or an int64 tensor on the
-        host; repeats allowed)."""
+        ``want_loss=False``). ``idx``: the mini-batch's sample indices (a list of ints or an int64 tensor, on the
+        host or the layer's device; repeats allowed; the fused CPU pass reads them on the host)."""
         ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
         pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
         f = factor / (ids.numel() * self.denominator)
