@@ -347,7 +347,8 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
     direct = DirectLayerLoss(m, x, target, clamp, m.bias)
     assert direct.fused == fused
     assert direct.depthwise == (fused and isinstance(m, torch.nn.Conv2d) and m.groups == m.out_channels > 1)
-    assert direct.pointwise == (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) and shape[2] * shape[3] >= 64)
+    assert direct.pointwise == (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1)
+                                and shape[2] * shape[3] >= 64)
     for idx, train_bias in (([0, 3], False), ([2, 2, 4], True), ([1], True)):
         if train_bias and m.bias is None:
             continue
