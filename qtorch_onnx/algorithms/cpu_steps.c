@@ -442,6 +442,65 @@ void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const floa
         sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
 }
 
+/* ------------------------------------------------------------------------------ small Gram-matrix layers */
+/* QuadraticLayerLoss.gradient without its loss, in one call for small layers (a few torch operations' dispatch
+ * outweighs their products there). The rows ids[0..nids) of flat (each len floats: H [g k k], G [g o k], then with
+ * the bias S [g k] and Y [g o]) are summed in order into acc; dw = w - w0 ([g o k]); per group
+ *   R = (dw H - G) f2                                       ([o k], f2 = 2 f)
+ * and with the bias (b, b0 not NULL; db = b - b0):
+ *   R += db s^T f2;   gb = (dw . s + nl db - Y) f2           ([g o])
+ * The products accumulate along rows of H (vectorized along k). */
+void qt_gram_gradient(int64_t nids, const int64_t *ids, const float *flat, int64_t len, int64_t g, int64_t o,
+                      int64_t k, const float *w, const float *w0, const float *b, const float *b0, float nl, float f2,
+                      float *acc, float *dw, float *R, float *gb) {
+    const float *r0 = flat + ids[0] * len;
+    if (nids == 1)
+        for (int64_t q = 0; q < len; q++)
+            acc[q] = r0[q];
+    else {
+        const float *r1 = flat + ids[1] * len;
+        for (int64_t q = 0; q < len; q++)
+            acc[q] = r0[q] + r1[q];
+        for (int64_t i = 2; i < nids; i++) {
+            const float *ri = flat + ids[i] * len;
+            for (int64_t q = 0; q < len; q++)
+                acc[q] += ri[q];
+        }
+    }
+    int64_t n = g * o * k;
+    for (int64_t q = 0; q < n; q++)
+        dw[q] = w[q] - w0[q];
+    const float *H = acc, *G = acc + g * k * k, *S = G + g * o * k, *Y = S + g * k;
+    for (int64_t gi = 0; gi < g; gi++)
+        for (int64_t oi = 0; oi < o; oi++) {
+            float *r = R + (gi * o + oi) * k;
+            const float *d = dw + (gi * o + oi) * k, *gr = G + (gi * o + oi) * k;
+            for (int64_t j = 0; j < k; j++)
+                r[j] = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                float a = d[kk];
+                const float *h = H + (gi * k + kk) * k;
+                for (int64_t j = 0; j < k; j++)
+                    r[j] += a * h[j];
+            }
+            for (int64_t j = 0; j < k; j++)
+                r[j] -= gr[j];
+            if (b != NULL) {
+                int64_t c = gi * o + oi;
+                float db = b[c] - b0[c];
+                const float *sv = S + gi * k;
+                float ws = 0.0f;
+                for (int64_t j = 0; j < k; j++) {
+                    ws += d[j] * sv[j];
+                    r[j] += db * sv[j];
+                }
+                gb[c] = (ws + nl * db - Y[c]) * f2;
+            }
+            for (int64_t j = 0; j < k; j++)
+                r[j] *= f2;
+        }
+}
+
 /* ----------------------------------------------------------------------------------- AdaQuant's INT32 bias */
 /* The bias quantizer's arithmetic (formats/integer.py, round_bias then dequantize): q = clamp(rint(b / s64), lo, hi)
  * in float64 (IEEE division, round half to even, NaN kept), bq = (float)q * s32 (one float32 rounding, one float32
@@ -616,4 +675,4 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 6; }
+int qt_cpu_steps_version(void) { return 7; }

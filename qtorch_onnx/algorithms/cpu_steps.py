@@ -44,11 +44,11 @@ from ..cache import cache_root, file_lock
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual",
-           "depthwise_forward", "depthwise_wgrad", "bias_values", "masked_adam", "AdamMoments", "ENV_SWITCH"]
+           "depthwise_forward", "depthwise_wgrad", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 6
+_VERSION = 7
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
 #: weights from this many elements up are split between torch's intra-op threads
@@ -153,12 +153,13 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
             f64 = ctypes.c_double
             lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
+            lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 4
             lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
             lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
                       lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-                      lib.qt_bias_values, lib.qt_masked_adam):
+                      lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient):
                 f.restype = None
         else:
             warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
@@ -318,6 +319,27 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
     return nxt if next_range is not None else None
+
+
+def gram_gradient(flat: torch.Tensor, ids, groups: int, out: int, k: int, weight: torch.Tensor, w0: torch.Tensor,
+                  bias: Optional[torch.Tensor], b0: Optional[torch.Tensor], nl: float, f2: float,
+                  scratch: torch.Tensor):
+    """``(R, gb)``: a small Gram-matrix layer's scaled weight and bias gradients for the mini-batch ``ids`` (a list
+    of ints) in one call (``qt_gram_gradient``; :class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`
+    documents the algebra): ``R = ((w - w0) H - G) f2`` (+ ``db s^T f2``), ``gb = (dw.s + nl db - Y) f2`` (None
+    without the bias). ``flat``: the per-sample rows ``[N, len]`` (H, G, then S, Y), contiguous float32 CPU;
+    ``weight`` / ``w0``: contiguous float32 ``[groups, out / groups, k]`` elements; ``bias`` / ``b0``: ``[out]``
+    or None; ``scratch``: float32, at least ``len + out k`` elements."""
+    n = len(ids)
+    arr = (ctypes.c_int64 * n)(*ids)
+    o = out // groups
+    r = torch.empty(groups, o, k, dtype=torch.float32)
+    gb = torch.empty(out, dtype=torch.float32) if bias is not None else None
+    length = flat.shape[1]
+    library().qt_gram_gradient(n, ctypes.addressof(arr), flat.data_ptr(), length, groups, o, k, weight.data_ptr(),
+                               w0.data_ptr(), _ptr(bias), _ptr(b0), float(nl), float(f2), scratch.data_ptr(),
+                               scratch.data_ptr() + 4 * length, r.data_ptr(), _ptr(gb))
+    return r, gb
 
 
 def bias_values(bias: torch.Tensor, scale64: torch.Tensor, scale32: torch.Tensor, qmin: float, qmax: float):

@@ -382,3 +382,39 @@ def test_bias_values_bit_exact(per_channel):
     assert torch.equal(bq.view(torch.int32), ref.view(torch.int32))
     assert torch.equal(keep, ((q > lo) & (q < hi)).float())
     assert keep[4] == 0 and keep[0] == 0 and keep[10:].all()
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.Conv2d(6, 8, 3, stride=2, padding=1, groups=2), (5, 6, 9, 9)),
+    (lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), (5, 4, 8, 8)),
+    (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),
+])
+@pytest.mark.parametrize("train_bias", [False, True])
+def test_small_gram_gradient_equals_the_torch_path(make, shape, train_bias):
+    """A small Gram-matrix layer's gradient in one C call equals QuadraticLayerLoss's torch path (groups, a depthwise
+    and a token-wise layer; mini-batches of one, two and three samples with a repeat; with and without the bias) to
+    float32 rounding, and is used only where no loss is asked for."""
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    torch.manual_seed(0)
+    m = make()
+    x = torch.randn(shape)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn_like(m(x))
+    quad = QuadraticLayerLoss(m, x, target, train_bias=train_bias)
+    assert quad._small is not None
+    w = m.weight.detach() + 0.01 * torch.randn(m.weight.shape)
+    b = m.bias.detach() + 0.01 if train_bias else None
+    for idx in ([0, 3], [2, 2, 4], [1]):
+        gw, gb, loss = quad.gradient(idx, w, 0.5, bias=b, want_loss=False)
+        assert loss is None
+        small, quad._small = quad._small, None
+        try:
+            rw, rb, _ = quad.gradient(idx, w, 0.5, bias=b, want_loss=False)
+        finally:
+            quad._small = small
+        torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-6 * float(rw.abs().max()))
+        if train_bias:
+            torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-6 * float(rb.abs().max()))
+        else:
+            assert gb is None and rb is None
