@@ -1,4 +1,6 @@
-/* qtorch-onnx: fast finetune's written-out AdaRound and AdaQuant steps as fused CPU loops.
+/* qtorch-onnx: fast finetune's written-out AdaRound and AdaQuant steps as fused CPU loops, and the loops of its
+ * layer losses (reconstruction.py: QuadraticLayerLoss's depthwise Gram matrices and small layers' gradient,
+ * DirectLayerLoss's residual pass and depthwise convolutions).
  *
  * The same functions as qtorch_onnx/algorithms/adaround.py (AdaRoundStep) and adaquant.py (AdaQuantStep), one
  * pass over the weight instead of about twenty torch operations (each a pass over the weight and a dispatch).
@@ -6,8 +8,9 @@
  * -fno-trapping-math), loaded with ctypes; no torch headers, no ONNX Runtime.
  *
  * Layout: float32, contiguous. A weight of n elements is `rows` rows of `inner` elements; row r uses the
- * quantization parameters of channel (r % channels) (per tensor: channels = 1). Every function takes a row
- * range [r0, r1) so that the caller can split the rows between threads.
+ * quantization parameters of channel (r % channels) (per tensor: channels = 1). The step functions take a row
+ * range [r0, r1) (the others a range of planes, samples or channels) so that the caller can split the work between
+ * threads.
  *
  * AdaRound (Nagel et al. 2020, arXiv 2004.10568, eqs. 22-24; zeta = 1.1, gamma = -0.1):
  *   s = sigmoid(alpha);  hr = s (zeta - gamma) + gamma;  h = clamp(hr, 0, 1)
