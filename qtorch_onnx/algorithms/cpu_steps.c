@@ -97,12 +97,26 @@ __attribute__((noinline)) static void adaround_values_row(int64_t n, const float
     }
 }
 
+/* the end of the row segment that starts at element q: the end of q's row, or limit if that comes first */
+static inline int64_t segment_end(int64_t q, int64_t inner, int64_t limit) {
+    int64_t end = (q / inner + 1) * inner;
+    return end < limit ? end : limit;
+}
+
+/* the soft-quantized weight of elements [e0, e1), row segment by row segment (each its channel's parameters) */
+static void adaround_values_range(int64_t e0, int64_t e1, int64_t channels, int64_t inner, const float *alpha,
+                                  const float *fl, const float *scale, const float *zp, float lo, float hi,
+                                  float *out) {
+    for (int64_t q = e0; q < e1;) {
+        int64_t end = segment_end(q, inner, e1), c = (q / inner) % channels;
+        adaround_values_row(end - q, alpha + q, fl + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q);
+        q = end;
+    }
+}
+
 void qt_adaround_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *alpha,
                         const float *fl, const float *scale, const float *zp, float lo, float hi, float *out) {
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t c = r % channels, o = r * inner;
-        adaround_values_row(inner, alpha + o, fl + o, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + o);
-    }
+    adaround_values_range(r0 * inner, r1 * inner, channels, inner, alpha, fl, scale, zp, lo, hi, out);
 }
 
 /* Adam's update of one element (Kingma and Ba 2015, Algorithm 1, with torch.optim.Adam's arithmetic: the first
@@ -188,7 +202,7 @@ void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
     for (int64_t c0 = r0 * inner; c0 < e1; c0 += ACH) {
         int64_t len = e1 - c0 < ACH ? e1 - c0 : ACH;
         for (int64_t q = c0; q < c0 + len;) { /* pass A by row segments: each row its channel's parameters */
-            int64_t r = q / inner, end = (r + 1) * inner < c0 + len ? (r + 1) * inner : c0 + len, c = r % channels;
+            int64_t end = segment_end(q, inner, c0 + len), c = (q / inner) % channels;
             adaround_pass_a(end - q, alpha + q, fl + q, scale[c] * (ZETA - GAMMA), zp ? zp[c] : 0.0f, lo, hi, gwq + q,
                             t1 + (q - c0), ds + (q - c0), dd + (q - c0));
             q = end;
@@ -202,11 +216,7 @@ void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
             continue;
         adam_pass(len, alpha + c0, g, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
         if (next != NULL)
-            for (int64_t q = c0; q < c0 + len;) {
-                int64_t r = q / inner, end = (r + 1) * inner < c0 + len ? (r + 1) * inner : c0 + len, c = r % channels;
-                adaround_values_row(end - q, alpha + q, fl + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, next + q);
-                q = end;
-            }
+            adaround_values_range(c0, c0 + len, channels, inner, alpha, fl, scale, zp, lo, hi, next);
     }
 }
 
@@ -219,6 +229,17 @@ __attribute__((noinline)) static void adaquant_values_row(int64_t n, const float
         float c = clampf(v, lo, hi);
         outside[i] = (float)((v < lo) | (v > hi)); /* NaN: 0, as torch.sign(NaN) gives in the torch step */
         out[i] = (c - zp) * scale;
+    }
+}
+
+/* the integer weight and saturation mask of elements [e0, e1), row segment by row segment */
+static void adaquant_values_range(int64_t e0, int64_t e1, int64_t channels, int64_t inner, const float *w,
+                                  const float *scale, const float *zp, float lo, float hi, float *out,
+                                  float *outside) {
+    for (int64_t q = e0; q < e1;) {
+        int64_t end = segment_end(q, inner, e1), c = (q / inner) % channels;
+        adaquant_values_row(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q, outside + q);
+        q = end;
     }
 }
 
@@ -245,20 +266,13 @@ void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
     for (int64_t c0 = e0; c0 < e1; c0 += ACH) {
         int64_t len = e1 - c0 < ACH ? e1 - c0 : ACH;
         adaquant_adam_row(len, w + c0, gwq + c0, outside + c0, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
-        for (int64_t q = c0; q < c0 + len;) {
-            int64_t r = q / inner, end = (r + 1) * inner < c0 + len ? (r + 1) * inner : c0 + len, c = r % channels;
-            adaquant_values_row(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, next + q, next_outside + q);
-            q = end;
-        }
+        adaquant_values_range(c0, c0 + len, channels, inner, w, scale, zp, lo, hi, next, next_outside);
     }
 }
 
 void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *w, const float *scale,
                         const float *zp, float lo, float hi, float *out, float *outside) {
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t c = r % channels, o = r * inner;
-        adaquant_values_row(inner, w + o, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + o, outside + o);
-    }
+    adaquant_values_range(r0 * inner, r1 * inner, channels, inner, w, scale, zp, lo, hi, out, outside);
 }
 
 /* ------------------------------------------------------------------------- depthwise Gram matrices */

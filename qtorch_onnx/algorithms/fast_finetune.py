@@ -69,6 +69,10 @@ class LayerRecord:
     loop_seconds: float = 0.0  # the iterations alone (wall), without the data, the losses before / after
     loop_cpu_seconds: float = 0.0  # the same in CPU time of the calling thread
 
+    def add_note(self, text: str) -> None:
+        """Append ``text`` to :attr:`note` ("; " between notes)."""
+        self.note = f"{self.note}; {text}" if self.note else text
+
 
 @dataclass
 class FinetuneReport:
@@ -482,7 +486,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     quad = quad_for(bs) if quad_for is not None else None
     direct = None
     if quad is not None:
-        rec.note = (rec.note + "; " if rec.note else "") + quad[1]
+        rec.add_note(quad[1])
         quad = quad[0]
         loss_before = quad.start_value()
     else:
@@ -492,7 +496,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     rec.loss_before = rec.loss_after = loss_before
     if not math.isfinite(loss_before):
         rec.kept = False
-        rec.note = (rec.note + "; " if rec.note else "") + "loss before finetuning is not finite; layer left as it was"
+        rec.add_note("loss before finetuning is not finite; layer left as it was")
         return rec
     # state to restore, per layer
     saved = []
@@ -523,8 +527,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     lr = s.learning_rate
     if s.lr_adjust is not None and loss_before > s.lr_adjust[0]:
         lr = s.lr_adjust[1]  # Quark's LRAdjust: a layer with a large error gets its own learning rate
-        rec.note = (rec.note + "; " if rec.note else "") + \
-            f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}"
+        rec.add_note(f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}")
     opt = _adam(params, lr)
     steps = _manual_steps(layers, hooks, s) if manual_gradient else None
     # the loss with its gradient written out: the Gram matrices' quadratic form, else the layer's direct loss
@@ -533,7 +536,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     if direct is not None:
         if steps is not None and _direct_gradient_agrees(direct[0], fn, ld, steps):
             lossfn = direct[0]
-            rec.note = (rec.note + "; " if rec.note else "") + direct[1]
+            rec.add_note(direct[1])
         else:
             direct = None
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
@@ -636,7 +639,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         break
                     mean, window_sum, seen = float(window_sum) / window, None, 0
                     if mean > best:
-                        rec.note = (rec.note + "; " if rec.note else "") + f"EarlyStop at iteration {it + 1}"
+                        rec.add_note(f"EarlyStop at iteration {it + 1}")
                         break
                     best = mean
     finally:
@@ -675,7 +678,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         rec.loss_after = loss_before
         why = ("the loss diverged (NaN/Inf): layer restored" if diverged or not math.isfinite(loss_after)
                else f"SelectiveUpdate: loss {loss_after:.4g} not below {loss_before:.4g}; update discarded")
-        rec.note = (rec.note + "; " if rec.note else "") + why
+        rec.add_note(why)
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
@@ -705,8 +708,7 @@ def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord) -> float:
     lq = quad.value(torch.zeros(1, dtype=torch.int64))
     if math.isfinite(value) and abs(lq - lf) <= 1e-3 * abs(lf) + 1e-6:
         return value
-    rec.note = (rec.note + "; " if rec.note else "") + \
-        f"quadratic loss {lq:.6g} != forward loss {lf:.6g} on sample 0: loss after by forward passes"
+    rec.add_note(f"quadratic loss {lq:.6g} != forward loss {lf:.6g} on sample 0: loss after by forward passes")
     return _loss_on_all(fn, ld)
 
 
@@ -827,11 +829,10 @@ def _adam(params: List[torch.Tensor], lr: float):
     return torch.optim.Adam(params, lr=lr)
 
 
-def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q):
-    """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
-    (a plain Conv1d / Conv2d / Linear called on one cached activation, no QDrop mixing, no output quantizer,
-    fewer multiply-adds than the forward path for these iterations); else None. The algebra is checked
-    against the forward path after training (:func:`_quadratic_loss_after`)."""
+def _plain_layer_input(qm, node, layer, ld, s: FastFinetuneSettings, out_q) -> Optional[torch.Tensor]:
+    """The layer's one cached input (float32) when its loss can be written out from it: the layer's own module
+    called on that one activation, no QDrop mixing, no output quantizer; else None. What the Gram-matrix and the
+    direct losses both require."""
     if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1:
         return None
     if node.op != "call_module" or node.kwargs or len(node.args) != 1:
@@ -840,6 +841,17 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
         return None
     (a, x), = ld.q_inputs.items()
     if node.args[0] is not a or not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return None
+    return x
+
+
+def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q):
+    """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
+    (:func:`_plain_layer_input`, a Conv1d / Conv2d / Linear, fewer multiply-adds than the forward path for these
+    iterations); else None. The algebra is checked against the forward path after training
+    (:func:`_quadratic_loss_after`)."""
+    x = _plain_layer_input(qm, node, layer, ld, s, out_q)
+    if x is None:
         return None
     why = QuadraticLayerLoss.plan(layer.module, x, ld.target, s.num_iterations * s.num_batches, bs)
     if why is None:
@@ -870,25 +882,21 @@ def _direct_output_agrees(direct, fn, ld) -> bool:
             return False
         got = direct.output([0])
         scale = float(ref.abs().max()) if ref.numel() else 0.0
-        return bool(torch.isfinite(got).all()) and float((got - ref).abs().max()) <= DIRECT_CHECK_RTOL_OUTPUT * scale + 1e-30
+        return bool(torch.isfinite(got).all()) and \
+            float((got - ref).abs().max()) <= DIRECT_CHECK_RTOL_OUTPUT * scale + 1e-30
 
 
 def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module, fn):
-    """(:class:`DirectLayerLoss`, note) when the layer's loss can be written out: one Conv1d / Conv2d / Linear
-    called on one cached activation, on its own output or through a clamp-like activation (``act_module``: the
-    activation's module, None for none, False when it is no module), no QDrop, no output quantizer; and its
-    output on the first sample equals the forward path's (``fn``, the layer's current weights). Else None."""
-    if s.drop_ratio < 1.0 or out_q is not None or len(ld.q_inputs) != 1 or act_module is False:
-        return None
-    if node.op != "call_module" or node.kwargs or len(node.args) != 1:
+    """(:class:`DirectLayerLoss`, note) when the layer's loss can be written out: a Conv1d / Conv2d / Linear
+    (:func:`_plain_layer_input`) on its own output or through a clamp-like activation (``act_module``: the
+    activation's module, None for none, False when it is no module), whose output on the first sample equals the
+    forward path's (``fn``, the layer's current weights). Else None."""
+    x = _plain_layer_input(qm, node, layer, ld, s, out_q) if act_module is not False else None
+    if x is None:
         return None
     module = layer.module
-    if qm.gm.get_submodule(str(node.target)) is not module:
-        return None
-    (a, x), = ld.q_inputs.items()
     clamp = activation_clamp(act_module)
-    if node.args[0] is not a or not isinstance(x, torch.Tensor) or clamp is None \
-            or DirectLayerLoss.covers(module, x, ld.target) is not None:
+    if clamp is None or DirectLayerLoss.covers(module, x, ld.target) is not None:
         return None
     with torch.no_grad():
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
@@ -907,8 +915,7 @@ def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
         return False
     step, pqs = steps[0]
     (a, x), = ld.q_inputs.items()
-    b = 1  # one sample: the same sums over positions, half an autograd pass less than a mini-batch of 2
-    xb = x[:b].contiguous()
+    xb = x[:1].contiguous()  # one sample: the same sums over positions, half an autograd pass of a mini-batch of 2
     vals = [v.detach().clone().requires_grad_() for v in step.values()]
     try:
         for pq, v in zip(pqs, vals):
@@ -927,7 +934,7 @@ def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
     with torch.no_grad():
         check = DirectLayerLoss(direct.module, xb, target, (direct.lo, direct.hi, direct.wlo, direct.whi),
                                 direct.bias)
-        gw, gb, lv = check.gradient(list(range(b)), vals[0].detach(), 1.0,
+        gw, gb, lv = check.gradient([0], vals[0].detach(), 1.0,
                                     bias=vals[1].detach() if len(vals) > 1 else None)
         pairs = [(gw, vals[0].grad)] + ([(gb, vals[1].grad)] if len(vals) > 1 else [])
         ok = all(r is not None and g.shape == r.shape
@@ -942,8 +949,7 @@ def _direct_loss_after(direct, fn, ld, rec: LayerRecord) -> float:
     note."""
     if _direct_output_agrees(direct, fn, ld):
         return direct.value()
-    rec.note = (rec.note + "; " if rec.note else "") + \
-        "direct loss output != forward output on sample 0: loss after by forward passes"
+    rec.add_note("direct loss output != forward output on sample 0: loss after by forward passes")
     return _loss_on_all(fn, ld)
 
 

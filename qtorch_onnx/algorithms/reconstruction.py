@@ -358,42 +358,50 @@ OVERHEAD_MACS = 2.0e6
 DEPTHWISE_SLOWDOWN = 8.0
 
 
+def _uncovered(module: nn.Module, x: torch.Tensor) -> Optional[str]:
+    """Why the written-out layer losses (Gram matrices, direct) do not cover ``module`` on input ``x`` (a short
+    reason), or None when they do: a Linear on ``[N, ..., in]``, or a Conv1d / Conv2d (not transposed, zero
+    padding given as numbers) on ``[N, C, L]`` / ``[N, C, H, W]``."""
+    if isinstance(module, nn.Linear):
+        return None if x.dim() >= 2 and x.shape[-1] == module.in_features else "input does not match the Linear"
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or isinstance(module, nn.modules.conv._ConvTransposeNd):
+        return f"{type(module).__name__} is not a Linear / Conv1d / Conv2d"
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return "padding other than zeros given as numbers"
+    if x.dim() != (3 if isinstance(module, nn.Conv1d) else 4):
+        return f"input rank {x.dim()} does not match the convolution"
+    return None
+
+
 def _columns(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
     """The layer's input as columns ``[n, groups, K, L]`` (``K``: the weights one output reads per group, in the
-    order of ``weight.view(out, -1)``; ``L``: output positions), or None for modules this does not cover."""
+    order of ``weight.view(out, -1)``; ``L``: output positions), or None for modules this does not cover
+    (:func:`_uncovered`)."""
+    if _uncovered(module, x) is not None:
+        return None
     if isinstance(module, nn.Linear):
-        if x.dim() < 2 or x.shape[-1] != module.in_features:
-            return None
         n = x.shape[0]
         return x.reshape(n, -1, module.in_features).transpose(1, 2).unsqueeze(1)
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not isinstance(module, nn.modules.conv._ConvTransposeNd):
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return None
-        if isinstance(module, nn.Conv1d):
-            if x.dim() != 3:
-                return None
-            x = x.unsqueeze(2)
-            k, d = (1,) + tuple(module.kernel_size), (1,) + tuple(module.dilation)
-            p, s = (0,) + tuple(module.padding), (1,) + tuple(module.stride)
-        else:
-            if x.dim() != 4:
-                return None
-            k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
-        n = x.shape[0]
-        g = module.groups
-        if all(v == 1 for v in tuple(k) + tuple(d) + tuple(s)) and all(v == 0 for v in p):  # 1x1: a view
-            return x.reshape(n, g, x.shape[1] // g, -1)
-        if all(v == 1 for v in d):
-            # im2col as a strided view of the padded input ([n, C, Ho, Wo, kh, kw]) copied once in F.unfold's
-            # order: the same columns, 1.1-1.7x faster than F.unfold on one CPU thread (EfficientNet-Lite0's
-            # depthwise layers, where the columns are most of building the Gram matrices)
-            xp = torch.nn.functional.pad(x, (p[1], p[1], p[0], p[0])) if any(p) else x
-            view = xp.unfold(2, k[0], s[0]).unfold(3, k[1], s[1])
-            cols = view.permute(0, 1, 4, 5, 2, 3).reshape(n, x.shape[1] * k[0] * k[1], -1)
-        else:
-            cols = torch.nn.functional.unfold(x, k, dilation=d, padding=p, stride=s)  # [n, C*kh*kw, L]
-        return cols.reshape(n, g, cols.shape[1] // g, cols.shape[2])
-    return None
+    if isinstance(module, nn.Conv1d):
+        x = x.unsqueeze(2)
+        k, d = (1,) + tuple(module.kernel_size), (1,) + tuple(module.dilation)
+        p, s = (0,) + tuple(module.padding), (1,) + tuple(module.stride)
+    else:
+        k, d, p, s = module.kernel_size, module.dilation, module.padding, module.stride
+    n = x.shape[0]
+    g = module.groups
+    if all(v == 1 for v in tuple(k) + tuple(d) + tuple(s)) and all(v == 0 for v in p):  # 1x1: a view
+        return x.reshape(n, g, x.shape[1] // g, -1)
+    if all(v == 1 for v in d):
+        # im2col as a strided view of the padded input ([n, C, Ho, Wo, kh, kw]) copied once in F.unfold's
+        # order: the same columns, 1.1-1.7x faster than F.unfold on one CPU thread (EfficientNet-Lite0's
+        # depthwise layers, where the columns are most of building the Gram matrices)
+        xp = torch.nn.functional.pad(x, (p[1], p[1], p[0], p[0])) if any(p) else x
+        view = xp.unfold(2, k[0], s[0]).unfold(3, k[1], s[1])
+        cols = view.permute(0, 1, 4, 5, 2, 3).reshape(n, x.shape[1] * k[0] * k[1], -1)
+    else:
+        cols = torch.nn.functional.unfold(x, k, dilation=d, padding=p, stride=s)  # [n, C*kh*kw, L]
+    return cols.reshape(n, g, cols.shape[1] // g, cols.shape[2])
 
 
 #: depthwise layers with outputs this wide or wider build their Gram matrices by cpu_steps.c's sliding sums (one CPU
@@ -770,15 +778,7 @@ class DirectLayerLoss:
         float32 input and target with one row per sample."""
         if x.dtype != torch.float32 or target.dim() < 2 or x.shape[0] != target.shape[0]:
             return "needs float32 inputs and a target with one row per sample"
-        if isinstance(module, nn.Linear):
-            return None if x.dim() >= 2 and x.shape[-1] == module.in_features else "input does not match the Linear"
-        if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or isinstance(module, nn.modules.conv._ConvTransposeNd):
-            return f"{type(module).__name__} is not a Linear / Conv1d / Conv2d"
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return "padding other than zeros given as numbers"
-        if x.dim() != (3 if isinstance(module, nn.Conv1d) else 4):
-            return f"input rank {x.dim()} does not match the convolution"
-        return None
+        return _uncovered(module, x)
 
     def _forward(self, ids: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         """``(pre, xb)``: the layer's output before the activation for the samples ``ids`` (contiguous float32;
