@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import ConfigError, DataError
+from .gemm import ONEDNN_MIN_MACS, matmul_nt
 
 __all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "DirectLayerLoss", "activation_clamp", "float_twin",
            "sample_count", "in_graph_order"]
@@ -532,9 +533,15 @@ class QuadraticLayerLoss:
                                              rc.reshape(m, g, out // g, length).contiguous(), h, gg, sv)
                 else:
                     xc = _columns(module, xs).to(f32)                               # [m, g, k, L]
-                    xt = xc.transpose(-1, -2)
-                    torch.matmul(xc, xt, out=h)
-                    torch.matmul(rc.reshape(m, g, out // g, length), xt, out=gg)
+                    rg = rc.reshape(m, g, out // g, length)
+                    if g == 1:  # X X^T and R X^T per sample (oneDNN's product on a CPU, gemm.py)
+                        for i in range(m):
+                            matmul_nt(xc[i, 0], xc[i, 0], out=h[i, 0])
+                            matmul_nt(rg[i, 0], xc[i, 0], out=gg[i, 0])
+                    else:
+                        xt = xc.transpose(-1, -2)
+                        torch.matmul(xc, xt, out=h)
+                        torch.matmul(rg, xt, out=gg)
                     if self.train_bias:
                         sv.copy_(xc.sum(-1))
                 self.H[a:a + m] = h
@@ -597,7 +604,10 @@ class QuadraticLayerLoss:
         H, G, const, S, Y = self._batch(idx)
         if not f32:
             H, G, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (H, G, S, Y))
-        R = torch.matmul(w, H).sub_(G)                    # H dw - G
+        if g == 1 and f32:  # H is symmetric: H dw_o as the rows of dw H^T (oneDNN's product on a CPU, gemm.py)
+            R = matmul_nt(w[0], H[0]).sub_(G[0]).unsqueeze(0)
+        else:
+            R = torch.matmul(w, H).sub_(G)                # H dw - G
         wf = w.reshape(-1)
         # dw.(H dw - 2 G) + c, float64 on the device: no host read here (a GPU would wait for it every iteration)
         sse = (torch.dot(wf, R.reshape(-1)) - torch.dot(wf, G.reshape(-1))).double() + const if want_loss else None
@@ -762,13 +772,19 @@ class DirectLayerLoss:
         self.depthwise = (self.fused and isinstance(module, nn.Conv2d) and x.is_contiguous()
                           and module.groups == module.in_channels == module.out_channels
                           and tuple(module.dilation) == (1, 1))
-        # a 1x1 stride-1 Conv2d on planes of POINTWISE_MIN_PLANE positions or more: a batched product into one buffer
-        # reused every iteration (torch's convolution allocates its output: page faults every call for a
-        # [2, 96, 112, 112] output, 1.65 -> 0.82 ms on one thread; on 1x1 planes the batched product is a slow
-        # matrix-vector path, 0.95 ms against the convolution's 0.07 for 1280 x 512)
+        # a 1x1 stride-1 Conv2d on a CPU, on planes of POINTWISE_MIN_PLANE positions or more or of ONEDNN_MIN_MACS
+        # multiply-adds per sample: one product per sample straight from the cached input's rows (gemm.matmul_nt, no
+        # batch copy), the output into one buffer reused every iteration. Torch's convolution of a small batch runs
+        # MKL's AVX2 product on AMD CPUs and allocates its output (page faults every call for a [2, 96, 112, 112]
+        # output); [2, 512, 7, 7] -> 512 one thread, forward 0.58 -> 0.31 ms, weight gradient 0.45 -> 0.25 ms. On
+        # 1x1 planes of small layers the convolution stays (a product per sample there is a matrix-vector one).
+        plane = math.prod(x.shape[2:]) if x.dim() == 4 else 0
         self.pointwise = (isinstance(module, nn.Conv2d) and module.groups == 1 and x.device.type == "cpu"
+                          and x.is_contiguous()
                           and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
-                          and tuple(module.padding) == (0, 0) and x.shape[2] * x.shape[3] >= POINTWISE_MIN_PLANE)
+                          and tuple(module.padding) == (0, 0)
+                          and (plane >= POINTWISE_MIN_PLANE
+                               or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -791,19 +807,24 @@ class DirectLayerLoss:
             self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), bias, m.kernel_size, m.stride,
                                                     m.padding, out=out)
             return self._out, None
-        xb = self.x.index_select(0, ids.to(self.x.device))
         if self.pointwise:
-            n, c, h, w = xb.shape
+            n, (c, h, w) = ids.numel(), self.x.shape[1:]
             out_c = weight.shape[0]
             out = self._out if self._out is not None and self._out.shape == (n, out_c, h * w) else None
             if out is None:
                 out = self._out = torch.empty(n, out_c, h * w, dtype=torch.float32)
-            torch.matmul(weight.reshape(out_c, c), xb.reshape(n, c, h * w), out=out)
+            w2 = weight.reshape(out_c, c)
+            for j, i in enumerate(ids.tolist()):
+                matmul_nt(w2, self.x[i].view(c, h * w).t(), out=out[j])
             if bias is not None:
                 out.add_(bias.reshape(1, out_c, 1))
-            return out.view(n, out_c, h, w), xb
+            return out.view(n, out_c, h, w), None
+        xb = self.x.index_select(0, ids.to(self.x.device))
         if self.linear:
-            return torch.nn.functional.linear(xb, weight, bias).contiguous(), xb
+            y = matmul_nt(xb.reshape(-1, xb.shape[-1]), weight)
+            if bias is not None:
+                y.add_(bias)
+            return y.reshape(*xb.shape[:-1], y.shape[-1]), xb
         return self.conv(xb, weight, bias, *self.args).contiguous(), xb
 
     def _residual(self, pre: torch.Tensor, ids: torch.Tensor, gscale: float):
@@ -844,9 +865,16 @@ class DirectLayerLoss:
             from . import cpu_steps
 
             gw = cpu_steps.depthwise_wgrad(self.x, ids, g, m.kernel_size, m.stride, m.padding)
+        elif self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
+            c, p = self.x.shape[1], g[0].numel() // g.shape[1]
+            gw = None
+            for j, i in enumerate(ids.tolist()):
+                part = matmul_nt(g[j].reshape(-1, p), self.x[i].view(c, p))
+                gw = part if gw is None else gw.add_(part)
+            gw = gw.reshape(weight.shape)
         elif self.linear:
             g2 = g.reshape(-1, g.shape[-1])
-            gw = g2.t().matmul(xb.reshape(-1, xb.shape[-1]))
+            gw = matmul_nt(g2.t(), xb.reshape(-1, xb.shape[-1]).t())
         else:
             gw = torch.ops.aten.convolution_backward(g, xb, weight, None, *self.args[:3], False,
                                                      [0] * (xb.dim() - 2), self.args[3], [False, True, False])[1]

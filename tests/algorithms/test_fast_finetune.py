@@ -310,6 +310,9 @@ def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
     (lambda: torch.nn.Conv2d(6, 5, 1, bias=False), (5, 6, 9, 8)),             # 1x1: a batched product
     (lambda: torch.nn.Conv2d(6, 5, 1), (5, 6, 9, 8)),
     (lambda: torch.nn.Conv2d(6, 5, 1), (5, 6, 7, 3)),                         # 1x1 on small planes: a convolution
+    (lambda: torch.nn.Conv2d(256, 96, 1), (5, 256, 7, 7)),   # a small plane, 1.2M MACs a sample: products (oneDNN)
+    (lambda: torch.nn.Conv2d(128, 96, 1), (5, 128, 10, 9)),  # products of 1.1M MACs (oneDNN)
+    (lambda: torch.nn.Linear(512, 256), (5, 16, 512)),        # products of 6-19M MACs (oneDNN)
     (lambda: torch.nn.Conv1d(3, 4, 5, stride=2, padding=2), (5, 3, 17)),
     (lambda: torch.nn.Linear(7, 3), (5, 7)),
     (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),                               # loss sums over dim 1 (tokens)
@@ -348,7 +351,7 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
     assert direct.fused == fused
     assert direct.depthwise == (fused and isinstance(m, torch.nn.Conv2d) and m.groups == m.out_channels > 1)
     assert direct.pointwise == (isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1)
-                                and shape[2] * shape[3] >= 64)
+                                and (shape[2] * shape[3] >= 64 or math.prod(shape[1:]) * m.out_channels >= 2**20))
     for idx, train_bias in (([0, 3], False), ([2, 2, 4], True), ([1], True)):
         if train_bias and m.bias is None:
             continue
