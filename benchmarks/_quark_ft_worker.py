@@ -43,7 +43,7 @@ class _Timer:
         self.reset()
 
     def reset(self):
-        self.t = {"finetune": 0.0, "finetune_cpu": 0.0, "training": 0.0, "layer_data": 0.0}
+        self.t = {"finetune": 0.0, "finetune_cpu": 0.0, "training": 0.0, "layer_data": 0.0, "iterations": 0.0}
         self.layers = 0
         self.layer_seconds: List[float] = []
 
@@ -125,6 +125,11 @@ def main(job_path: str) -> int:
     timer.wrap(itf, "fast_finetune", "finetune", cpu_key="finetune_cpu")
     timer.wrap(ffm, "optimize_module", "training", count=True)
     timer.wrap(sgm.Subgraph, "get_training_data", "layer_data")
+    # the iterations alone: the Adam loop over mini-batches of one layer (its optimizer set-up included), without
+    # the torch module's conversion, the reconstruction metrics before / after and the layer data
+    tmm = importlib.import_module("quark.onnx.algorithm.finetuning.train_torch.train_model")
+    timer.wrap(tmm.ModelOptimizer, "_optimize_kernel", "iterations")
+    timer.wrap(tmm.ModelOptimizer, "_optimize_kernel_with_dataset", "iterations")
 
     lib = get_library_path("CPU")
     calib, _ = _load_data(job["calib"], job["input_names"])

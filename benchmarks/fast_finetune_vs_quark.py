@@ -537,6 +537,10 @@ def main(argv=None) -> int:
                                 "per_layer_iteration": q["ms_per_layer_iteration"] / o["ms_per_layer_iteration"],
                                 "training_per_layer_iteration": (q["training_ms_per_layer_iteration"]
                                                                  / o["training_ms_per_layer_iteration"]),
+                                # the iteration loops alone: Quark's ModelOptimizer._optimize_kernel, our loops
+                                "iterations_alone": (q["iterations_seconds"] / o["loop_seconds"]
+                                                     if q.get("iterations_seconds") and o.get("loop_seconds")
+                                                     else None),
                                 "finetune_cpu": (q["finetune_cpu_seconds"] / o["finetune_cpu_seconds"]
                                                  if o.get("finetune_cpu_seconds") else None)}
                 row["targets"] = {"accuracy_at_least_quark": bool(o["rel_error"] <= q["rel_error"]),
@@ -639,7 +643,8 @@ def section(results: dict) -> str:
             ratio = ""
             if side == "ours" and "ratio" in row:
                 r = row["ratio"]
-                ratio = (f"{r['per_layer_iteration']:.2f}x per it. ({r['training_per_layer_iteration']:.2f}x training), "
+                ratio = (f"{r['per_layer_iteration']:.2f}x per it. ({r['training_per_layer_iteration']:.2f}x training, "
+                         f"{_f(r.get('iterations_alone'), '{:.1f}')}x iterations alone), "
                          f"{r['finetune']:.2f}x finetune, {r['whole_call']:.2f}x call")
             lo = v["loadavg"]
             lines.append(
@@ -655,11 +660,14 @@ def section(results: dict) -> str:
         v = row["ours"]
         if v.get("ok") and v.get("loop_seconds") is not None and row.get("it") and v.get("finetuned_layers"):
             li = v["finetuned_layers"] * row["it"]
+            qi = row["quark"].get("iterations_seconds") if row["quark"].get("ok") else None
             loops.append(f"{row['name']}: {1e3 * v['loop_seconds'] / li:.2f} / {1e3 * v['loop_cpu_seconds'] / li:.2f}, "
-                         f"{v.get('quadratic_layers', 0)} of {v['finetuned_layers']}")
+                         f"{v.get('quadratic_layers', 0)} of {v['finetuned_layers']}"
+                         + (f" (Quark's {1e3 * qi / li:.2f})" if qi else ""))
     if loops:
         lines += ["", "Our iterations alone (the loops, without layer data, Gram matrices, losses before / after), "
-                  "ms per layer-iteration wall / CPU, and the layers trained on the quadratic loss: " + "; ".join(loops)]
+                  "ms per layer-iteration wall / CPU, and the layers trained on the quadratic loss (in brackets, "
+                  "Quark's iterations alone: its ModelOptimizer._optimize_kernel, wall): " + "; ".join(loops)]
     for row in results["rows"]:
         runs = row.get("seed_runs")
         if not runs:
