@@ -48,9 +48,11 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 7
+_VERSION = 8
 _FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
 _NATIVE = ["-march=native"]
+#: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
+GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
 PARALLEL_MIN = 1 << 17
 
@@ -150,6 +152,7 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
             lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
+            lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
             lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
             f64 = ctypes.c_double
             lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
@@ -158,6 +161,7 @@ def library() -> Optional[ctypes.CDLL]:
             lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
             for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
+                      lib.qt_depthwise_gram_blocked,
                       lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
                       lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient):
                 f.restype = None
@@ -382,11 +386,26 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
     the weight's order, ``ho * wo`` positions), as :class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`
     builds them, summed in float64 by sliding column sums (cpu_steps.c, ``qt_depthwise_gram``) instead of an
     im2col copy and float32 products. ``g`` / ``s`` None: not computed. The planes are split between torch's
-    intra-op threads."""
+    intra-op threads.
+
+    With one output per channel (``m == 1``, a depthwise convolution proper) the sums run on ``GRAM_BLOCK``
+    channels at a time (``qt_depthwise_gram_blocked``: the block's planes interleaved in an L1-sized scratch, every
+    loop one vector loop along a row of the block instead of a short one per plane; the (sample, block) pairs split
+    between the threads)."""
     (kh, kw), (sh, sw), (ho, wo) = kernel, stride, out_hw
     n, c, hp, wp = xp.shape
     planes = n * c
     m = 1 if r is None else r.shape[2]
+    if m == 1:
+        blocks = n * ((c + GRAM_BLOCK - 1) // GRAM_BLOCK)
+        pool = _pool() if blocks > 1 and xp.numel() >= PARALLEL_MIN else None
+        parts = 1 if pool is None else min(pool[1], blocks)
+        scratch = torch.empty(parts, (sh * (wp + 1) + wp + sw) * GRAM_BLOCK, dtype=torch.float64)
+        blk = torch.empty(parts, (hp * wp + ho * wo + kh * kw * kh * kw) * GRAM_BLOCK, dtype=torch.float32)
+        _split(library().qt_depthwise_gram_blocked, blocks, pool,
+               lambda i, a, b: (a, b, c, hp, wp, kh, kw, sh, sw, ho, wo, xp.data_ptr(), _ptr(r), h.data_ptr(),
+                                _ptr(g), _ptr(s), scratch[i].data_ptr(), blk[i].data_ptr()))
+        return
     fn = library().qt_depthwise_gram
     pool = _pool() if planes > 1 and xp.numel() >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], planes)

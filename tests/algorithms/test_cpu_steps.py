@@ -145,6 +145,7 @@ def test_switch_off_and_cached_build(tmp_path):
 @pytest.mark.parametrize("channels,size,kernel,stride,padding,multiplier", [
     (6, 14, 5, 1, 2, 1), (4, 21, 3, 2, 1, 2), (5, 20, 3, 1, 0, 1), (3, 33, (3, 5), (2, 3), (1, 2), 1),
     (2, 16, (1, 3), 1, (0, 1), 3),
+    (20, 12, 3, 1, 1, 1), (37, 15, 5, 2, 2, 1), (16, 9, (5, 3), (1, 2), (2, 0), 1),  # blocks of 16 channels, a tail
 ])
 def test_depthwise_gram_equals_im2col(channels, size, kernel, stride, padding, multiplier):
     """The sliding-sum Gram matrices of a depthwise convolution equal im2col's ``X X^T``, ``R X^T``, ``X 1`` (float64
@@ -171,6 +172,17 @@ def test_depthwise_gram_equals_im2col(channels, size, kernel, stride, padding, m
     for got, ref in ((h, ref_h), (g, ref_g), (s, ref_s)):
         torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
     assert torch.equal(h, h.transpose(-1, -2))
+    if multiplier == 1:  # the 16-channel blocks sum in the plane-major kernel's order: the same bits
+        (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
+        hp, wp = xp.shape[-2:]
+        h1, g1, s1 = torch.empty_like(h), torch.empty_like(g), torch.empty_like(s)
+        table = torch.empty(sh * (wp + 1) + wp + sw, dtype=torch.float64)
+        spread = torch.empty(hp * wp)
+        cpu_steps.library().qt_depthwise_gram(0, 3 * channels, hp, wp, kh, kw, sh, sw, ho, wo, 1, xp.data_ptr(),
+                                              r.contiguous().data_ptr(), h1.data_ptr(), g1.data_ptr(),
+                                              s1.data_ptr(), table.data_ptr(), spread.data_ptr())
+        assert torch.equal(h, h1) and torch.equal(s, s1)
+        torch.testing.assert_close(g, g1, rtol=1e-6, atol=1e-6 * float(g1.abs().max()))
 
 
 def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypatch):
