@@ -417,12 +417,46 @@ void qt_depthwise_gram(int64_t p0, int64_t p1, int64_t hp, int64_t wp, int64_t k
 }
 
 #define GB 16 /* channels per block of qt_depthwise_gram_blocked: the block's planes, interleaved, stay in L1 */
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef double vd8 __attribute__((vector_size(8 * sizeof(double))));
 
-/* col[j] += sign * u[j] v[j] for j in [j0, j1), in float64: one interleaved row segment (columns x GB channels) */
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline vd8 load8d(const float *p) { /* 8 floats widened to 8 doubles: one vcvtps2pd (GCC's generic
+                                             * conversion splits it into 128-bit pieces) */
+    return (vd8)_mm512_cvtps_pd(_mm256_loadu_ps(p));
+}
+#else
+static inline vd8 load8d(const float *p) { /* 8 floats widened to 8 doubles */
+    vf8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, vd8);
+}
+#endif
+
+/* dst[pos GB + t] = src[t len + pos] for t < cn (cn <= GB planes of len floats), 0 for cn <= t < GB: 16 x 16 tiles
+ * (16 reads along each plane, one 64-byte store per position) */
+static void interleave(float *restrict dst, const float *restrict src, int64_t len, int64_t cn) {
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        int64_t pn = len - p0 < 16 ? len - p0 : 16;
+        float tile[16][GB];
+        for (int64_t t = 0; t < GB; t++)
+            for (int64_t q = 0; q < 16; q++)
+                tile[q][t] = (t < cn && q < pn) ? src[t * len + p0 + q] : 0.0f;
+        __builtin_memcpy(dst + p0 * GB, tile, (size_t)(pn * GB) * sizeof(float));
+    }
+}
+
+/* col[j] += sign * u[j] v[j] for j in [j0, j1) (multiples of GB), in float64: one interleaved row segment (columns x
+ * GB channels) */
 __attribute__((noinline)) static void blk_madd(double *restrict col, const float *restrict u, const float *restrict v,
                                                int64_t j0, int64_t j1, double sign) {
-    for (int64_t j = j0; j < j1; j++)
-        col[j] += sign * ((double)u[j] * (double)v[j]);
+    for (int64_t j = j0; j < j1; j += 8) {
+        vd8 c;
+        __builtin_memcpy(&c, col + j, sizeof c);
+        c += sign * (load8d(u + j) * load8d(v + j));
+        __builtin_memcpy(col + j, &c, sizeof c);
+    }
 }
 
 /* lattice_prefix on interleaved columns: pre[(c + sw) GB + t] = pre[c GB + t] + col[c GB + t] along each stride-sw
@@ -439,10 +473,10 @@ static void blk_prefix(double *restrict pre, const double *restrict col, int64_t
  * (each row: wp columns x GB channels, 16 floats per column; an incomplete last block zero-filled) in the caller's
  * scratch, so every loop of qt_depthwise_gram's sliding sums runs along a whole row of the block as one vector loop
  * from L1, instead of a wp-long loop per plane. h and s: the same float64 sums in the same order per channel, so
- * qt_depthwise_gram's bits; g: float64 sums in position order. Written plane-major as qt_depthwise_gram's. One
- * thread, [16, C, H, W] planes, plane-major -> blocked: 256 ch 14x14 5x5 21.9 -> 8.7 ms, 1152 ch 7x7 5x5 56.9 ->
- * 19.1, 240 ch 28x28 5x5 45.2 -> 24.3, 64 ch 56x56 3x3 11.5 -> 9.4, 16 ch 112x112 3x3 10.5 -> 10.2 (large planes
- * were long vector loops already). Work items: (sample, block) pairs [q0, q1) of n x
+ * qt_depthwise_gram's bits; g: float64 sums, four partial sums per lane. Written plane-major as qt_depthwise_gram's. One
+ * thread, [16, C, H, W] planes, plane-major -> blocked: 256 ch 14x14 5x5 21.9 -> 7.8 ms, 512 ch 7x7 5x5 24.1 -> 7.1,
+ * 1152 ch 7x7 5x5 53.8 -> 17.6, 240 ch 28x28 5x5 45.0 -> 19.8, 64 ch 56x56 3x3 11.9 -> 7.7, 16 ch 112x112 3x3 9.4 ->
+ * 7.4 (large planes were long vector loops already). Work items: (sample, block) pairs [q0, q1) of n x
  * ceil(C / GB). `table`: scratch of (sh (wp + 1) + wp + sw) GB doubles; `blk`: (hp wp + ho wo + k k) GB floats. */
 void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, int64_t wp, int64_t kh, int64_t kw,
                                int64_t sh, int64_t sw, int64_t ho, int64_t wo, const float *xp, const float *r,
@@ -453,15 +487,7 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
     for (int64_t q = q0; q < q1; q++) {
         int64_t n = q / nb, c0 = (q % nb) * GB, cn = nc - c0 < GB ? nc - c0 : GB;
         /* interleave the block's planes (and residuals): x[pos GB + t] = xp[n, c0 + t, pos] */
-        for (int64_t t = 0; t < GB; t++) {
-            const float *src = xp + (n * nc + c0 + t) * plane;
-            if (t < cn)
-                for (int64_t pos = 0; pos < plane; pos++)
-                    x[pos * GB + t] = src[pos];
-            else
-                for (int64_t pos = 0; pos < plane; pos++)
-                    x[pos * GB + t] = 0.0f;
-        }
+        interleave(x, xp + (n * nc + c0) * plane, plane, cn);
         for (int64_t dy = 0; dy < kh; dy++)
             for (int64_t dx = -(kw - 1); dx < kw; dx++) {
                 if (dy == 0 && dx < 0)
@@ -513,23 +539,32 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
                         s[(n * nc + c0 + t) * k + a * kw + b] = (float)(pre[(b + sw * wo) * GB + t] - pre[b * GB + t]);
             }
         if (r != NULL) { /* g[n, c0 + t, i] = sum_pos r(pos) x(pos + o_i), float64 sums in position order */
-            for (int64_t t = 0; t < GB; t++) {
-                const float *src = r + (n * nc + c0 + t) * l;
-                for (int64_t pos = 0; pos < l; pos++)
-                    rb[pos * GB + t] = t < cn ? src[pos] : 0.0f;
-            }
-            for (int64_t i = 0; i < k; i++) {
+            interleave(rb, r + (n * nc + c0) * l, l, cn);
+            for (int64_t i = 0; i < k; i++) { /* four partial sums per lane (positions mod 4): no add waits on the last */
                 int64_t a = i / kw, b = i % kw;
-                double acc[GB] = {0};
-                for (int64_t y = 0; y < ho; y++)
-                    for (int64_t xx = 0; xx < wo; xx++) {
-                        const float *restrict u = x + ((a + sh * y) * wp + b + sw * xx) * GB;
-                        const float *restrict v = rb + (y * wo + xx) * GB;
-                        for (int64_t t = 0; t < GB; t++)
-                            acc[t] += (double)u[t] * (double)v[t];
+                vd8 p0 = {0}, p1 = {0}, q0 = {0}, q1 = {0}, u0 = {0}, u1 = {0}, w0 = {0}, w1 = {0};
+                for (int64_t y = 0; y < ho; y++) {
+                    const float *u = x + ((a + sh * y) * wp + b) * GB, *v = rb + y * wo * GB;
+                    int64_t st = sw * GB, xx = 0;
+                    for (; xx + 4 <= wo; xx += 4) {
+                        const float *u4 = u + xx * st, *v4 = v + xx * GB;
+                        p0 += load8d(u4) * load8d(v4);
+                        p1 += load8d(u4 + 8) * load8d(v4 + 8);
+                        q0 += load8d(u4 + st) * load8d(v4 + GB);
+                        q1 += load8d(u4 + st + 8) * load8d(v4 + GB + 8);
+                        u0 += load8d(u4 + 2 * st) * load8d(v4 + 2 * GB);
+                        u1 += load8d(u4 + 2 * st + 8) * load8d(v4 + 2 * GB + 8);
+                        w0 += load8d(u4 + 3 * st) * load8d(v4 + 3 * GB);
+                        w1 += load8d(u4 + 3 * st + 8) * load8d(v4 + 3 * GB + 8);
                     }
+                    for (; xx < wo; xx++) {
+                        p0 += load8d(u + xx * st) * load8d(v + xx * GB);
+                        p1 += load8d(u + xx * st + 8) * load8d(v + xx * GB + 8);
+                    }
+                }
+                vd8 lo = (p0 + q0) + (u0 + w0), hi = (p1 + q1) + (u1 + w1);
                 for (int64_t t = 0; t < cn; t++)
-                    g[(n * nc + c0 + t) * k + i] = (float)acc[t];
+                    g[(n * nc + c0 + t) * k + i] = (float)(t < 8 ? lo[t] : hi[t - 8]);
             }
         }
     }
