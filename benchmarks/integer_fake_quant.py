@@ -6,7 +6,9 @@ Per tensor size and layout (per tensor, per channel), in the three situations a 
 against
   * ``reference``: the reference composition ``_quantize_core`` (round, saturate, NaN rule) then dequantize and
     the gradient mask ``(c == t) | ~isfinite(x)``, which is what every call ran before the in-place path,
-  * ``copy``: ``x.clone()`` on the same device (the memory-bandwidth floor of any elementwise pass).
+  * ``copy``: ``x.clone()`` on the same device (the memory-bandwidth floor of any elementwise pass),
+  * ``C kernel``: ``qtorch_onnx/cpu_kernels.c``'s one pass (per-tensor, CPU), what a prepared model's activation
+    quantizers run in evaluation on a CPU.
 Both paths are checked bit for bit (uint32 view) on every tensor before they are timed.
 
     python benchmarks/integer_fake_quant.py                       # CPU, 1 thread
@@ -21,6 +23,7 @@ import argparse
 import torch
 from block_formats import _device_name, _time  # this folder's block-format benchmark: one timing rule
 
+from qtorch_onnx import cpu_kernels
 from qtorch_onnx.formats import integer as I
 from qtorch_onnx.formats.spec import INT8, INT16
 
@@ -83,7 +86,17 @@ def main(argv=None) -> None:
                 y, m = _reference(xg.detach(), s, z, fmt, axis)
                 return torch.where(m, gy, torch.zeros_like(gy))
 
-            for case, ref_fn, our_fn in (("no-grad", ref_nograd, ours_nograd), ("STE fwd+bwd", ref_ste, ours_ste)):
+            cases = [("no-grad", ref_nograd, ours_nograd), ("STE fwd+bwd", ref_ste, ours_ste)]
+            if device.type == "cpu" and layout == "per-tensor" and cpu_kernels.available():
+                lo, hi = I.quant_range(fmt)
+                xc = x.contiguous()
+
+                def c_kernel():  # what FakeQuantize runs for a per-tensor quantizer in evaluation on a CPU
+                    return cpu_kernels.fake_quantize_tensor(xc, float(s), float(z), lo, hi)
+
+                assert torch.equal(c_kernel().view(torch.int32), ref_y.view(torch.int32)), "C kernel differs"
+                cases.append(("C kernel (no-grad)", ref_nograd, c_kernel))
+            for case, ref_fn, our_fn in cases:
                 r = _time(ref_fn, device, args.reps)
                 o = _time(our_fn, device, args.reps)
                 print(f"{label + ' ' + case:34s} {r * 1e3:13.3f} {o * 1e3:9.3f} {r / o:7.2f}x {copy * 1e3:8.3f} "

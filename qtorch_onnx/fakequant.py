@@ -28,6 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from . import cpu_kernels as _cpu_kernels
 from .errors import ConfigError, UnsupportedFeatureError
 from .formats import floating as _floating
 from .formats import integer as _integer
@@ -543,6 +544,15 @@ class FakeQuantize(nn.Module):
             return self._fake_quantize_hooked(x, scale, zp, axis)
         if self.learnable:
             return _integer.fake_quantize_lsq(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
+        if (not per_channel and x.device.type == "cpu" and x.dtype == torch.float32 and fmt.bits <= 16
+                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+                and x.numel() >= _cpu_kernels.MIN_ELEMENTS and x.is_contiguous() and scale.dtype == torch.float32
+                and not zp.is_floating_point()
+                and not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
+                and _cpu_kernels.available()):
+            # evaluation on a CPU: the same bits in one pass (cpu_kernels.c) instead of the torch path's seven
+            lo, hi = _integer.quant_range(fmt, self.narrow_range)
+            return _cpu_kernels.fake_quantize_tensor(x, float(scale), float(zp), lo, hi)
         return _integer.fake_quantize_ste(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
 
     def _qdq_float(self, x: torch.Tensor) -> torch.Tensor:

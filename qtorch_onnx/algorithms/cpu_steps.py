@@ -24,13 +24,7 @@ weights are split by rows between ``torch.get_num_threads()`` threads (ctypes re
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from ..cache import cache_root, file_lock
+from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual",
@@ -49,8 +43,8 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
 _VERSION = 8
-_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
-_NATIVE = ["-march=native"]
+_FLAGS = native.FLAGS
+_NATIVE = native.NATIVE
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -60,66 +54,12 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
-def _compiler() -> Optional[str]:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: the CPU model and feature flags (Linux), else the platform."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def _build(cc: str) -> Path:
-    """Compile ``cpu_steps.c`` into the cache (or find it there) and return the library's path.
+    """Compile ``cpu_steps.c`` into the cache (or find it there) and return the library's path (native.build).
 
     Raises:
         RuntimeError: the compiler fails with and without ``-march=native`` (the message has its output)."""
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"cannot run the C compiler {cc!r}: {exc}") from exc
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, version.encode(), " ".join(_FLAGS + _NATIVE).encode(),
-                                     f"{sys.platform} {platform.machine()}".encode(), _cpu_id().encode()])
-                         ).hexdigest()[:20]
-    root = cache_root() / "cpu_steps"
-    name = "qtorch_cpu_steps.dll" if sys.platform == "win32" else "libqtorch_cpu_steps.so"
-    lib = root / key / name
-    if lib.is_file():
-        return lib
-    with file_lock(root / f"{key}.lock", error=RuntimeError):
-        if lib.is_file():  # built by another process meanwhile
-            return lib
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
-        try:
-            errors = []
-            for flags in (_FLAGS + _NATIVE, _FLAGS):
-                proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp / name), "-lm"],
-                                      capture_output=True, text=True, errors="replace")
-                if proc.returncode == 0:
-                    break
-                errors.append(f"{cc} {' '.join(flags)}: exit {proc.returncode}: "
-                              + " ".join((proc.stdout + proc.stderr).split())[-400:])
-            else:
-                raise RuntimeError("compiling cpu_steps.c failed: " + " | ".join(errors))
-            stage = tmp / "out"
-            stage.mkdir()
-            os.replace(tmp / name, stage / name)
-            if (root / key).exists():  # a broken earlier entry
-                shutil.rmtree(root / key, ignore_errors=True)
-            os.replace(stage, root / key)  # atomic: others see nothing or the whole folder
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return lib
+    return native.build(cc, SOURCE, "qtorch_cpu_steps", _FLAGS, _NATIVE)
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -133,7 +73,7 @@ def library() -> Optional[ctypes.CDLL]:
         if "lib" in _state:
             return _state["lib"]
         lib, why = None, None
-        cc = _compiler()
+        cc = native.compiler()
         if cc is None:
             why = "no C compiler found ($CC, cc, gcc, clang)"
         else:

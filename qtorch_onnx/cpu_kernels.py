@@ -1,0 +1,122 @@
+"""CPU copies of formats/ functions in C (``cpu_kernels.c``), one pass over memory instead of a chain of torch
+operations; for evaluation-mode forwards of a prepared model on a CPU (the staged forward passes of fast finetune,
+bias correction, sensitivity analysis, evaluation).
+
+Like the Triton kernels (``triton_kernels/``), each is an accelerated copy of a formats/ function, tested against
+it bit for bit (tests/test_cpu_kernels.py), and :class:`~qtorch_onnx.fakequant.FakeQuantize` picks it only where
+it gives the same bits and no gradient is needed. ``qt_fake_quantize_tensor`` is
+:func:`qtorch_onnx.formats.integer.fake_quantize` for a per-tensor scale and zero point and a type of at most 16
+bits: the in-place torch path makes seven passes over the tensor (division, rounding, zero point, clamp, NaN,
+zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures both).
+
+Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
+failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
+``PARALLEL_MIN`` elements up are split between ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import native
+
+__all__ = ["available", "library", "fake_quantize_tensor", "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN"]
+
+SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
+ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
+_VERSION = 1
+#: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
+MIN_ELEMENTS = 1 << 12
+#: tensors from this many elements up are split between torch's intra-op threads
+PARALLEL_MIN = 1 << 18
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded library, built on first use; None when ``QTORCH_ONNX_CPU_KERNELS=0``, there is no C compiler,
+    or the build or load fails (warned once, with the reason)."""
+    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+        return None
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib, why = None, None
+        cc = native.compiler()
+        if cc is None:
+            why = "no C compiler found ($CC, cc, gcc, clang)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(native.build(cc, SOURCE, "qtorch_cpu_kernels")))
+                if lib.qt_cpu_kernels_version() != _VERSION:
+                    why, lib = f"library version {lib.qt_cpu_kernels_version()} != {_VERSION}", None
+            except (OSError, RuntimeError, AttributeError) as exc:
+                why = str(exc)
+        if lib is not None:
+            i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+            lib.qt_fake_quantize_tensor.argtypes = [i64, i64, ptr, ptr, f32, f32, f32, f32]
+            lib.qt_fake_quantize_tensor.restype = None
+        else:
+            warnings.warn(f"qtorch_onnx: the C CPU kernels are unavailable ({why}); fake quantization runs its "
+                          "torch path (slower on a CPU)", RuntimeWarning, stacklevel=3)
+        _state["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    """Whether the library loads (see :func:`library`)."""
+    return library() is not None
+
+
+def _pool():
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return None
+    if _state.get("pool_threads") != threads:
+        old = _state.get("pool")
+        if old is not None:
+            old.shutdown(wait=False)
+        _state["pool"] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qtorch-cpu-kernels")
+        _state["pool_threads"] = threads
+    return _state["pool"]
+
+
+def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin: float, qmax: float) -> torch.Tensor:
+    """``fake_quantize(x, scale, zero_point)`` for one scale and zero point (``formats.integer``, a type of at most
+    16 bits with range ``[qmin, qmax]``), in one pass: a new float32 tensor of ``x``'s shape. ``x``: contiguous
+    float32 on the CPU; ``scale``: the float32 scale's value; ``zero_point``: the integer zero point as a float.
+    Bit for bit the torch path's result (NaN -> ``(qmin - zero_point) * scale``, +-Inf saturate).
+
+    Raises:
+        ValueError: ``x`` not a contiguous float32 CPU tensor, or the library is unavailable (check
+            :func:`available` first).
+    """
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"fake_quantize_tensor: needs a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
+                         f"{'' if x.is_contiguous() else ' (not contiguous)'}")
+    lib = library()
+    if lib is None:
+        raise ValueError("fake_quantize_tensor: the C CPU kernels are unavailable (see cpu_kernels.available())")
+    y = torch.empty_like(x)
+    n = x.numel()
+    args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
+    pool = _pool() if n >= PARALLEL_MIN else None
+    if pool is None:
+        lib.qt_fake_quantize_tensor(0, n, *args)
+        return y
+    parts = torch.get_num_threads()
+    cuts = [n * i // parts // 16 * 16 for i in range(parts)] + [n]  # 64-byte aligned ranges
+    futures = [pool.submit(lib.qt_fake_quantize_tensor, a, b, *args) for a, b in zip(cuts, cuts[1:]) if b > a]
+    for f in futures:
+        f.result()
+    return y
