@@ -538,7 +538,7 @@ class QuadraticLayerLoss:
                 else:
                     xc = _columns(module, xs).to(f32)                               # [m, g, k, L]
                     rg = rc.reshape(m, g, out // g, length)
-                    if g == 1:  # X X^T and R X^T per sample (oneDNN's product on a CPU, gemm.py)
+                    if g == 1 and dev.type == "cpu":  # X X^T and R X^T per sample (oneDNN's product, gemm.py)
                         for i in range(m):
                             matmul_nt(xc[i, 0], xc[i, 0], out=h[i, 0])
                             matmul_nt(rg[i, 0], xc[i, 0], out=gg[i, 0])
@@ -608,7 +608,7 @@ class QuadraticLayerLoss:
         H, G, const, S, Y = self._batch(idx)
         if not f32:
             H, G, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (H, G, S, Y))
-        if g == 1 and f32:  # H is symmetric: H dw_o as the rows of dw H^T (oneDNN's product on a CPU, gemm.py)
+        if g == 1 and f32 and H.device.type == "cpu":  # H is symmetric: H dw_o as the rows of dw H^T (gemm.py)
             R = matmul_nt(w[0], H[0]).sub_(G[0]).unsqueeze(0)
         else:
             R = torch.matmul(w, H).sub_(G)                # H dw - G
