@@ -16,10 +16,6 @@ failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning sa
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -37,58 +33,26 @@ MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
 PARALLEL_MIN = 1 << 18
 
-_lock = threading.Lock()
 _state: dict = {}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.qt_fake_quantize_tensor.argtypes = [i64, i64, ptr, ptr, f32, f32, f32, f32]
+    lib.qt_fake_quantize_tensor.restype = None
 
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, built on first use; None when ``QTORCH_ONNX_CPU_KERNELS=0``, there is no C compiler,
-    or the build or load fails (warned once, with the reason)."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-        return None
-    if "lib" in _state:
-        return _state["lib"]
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]
-        lib, why = None, None
-        cc = native.compiler()
-        if cc is None:
-            why = "no C compiler found ($CC, cc, gcc, clang)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(native.build(cc, SOURCE, "qtorch_cpu_kernels")))
-                if lib.qt_cpu_kernels_version() != _VERSION:
-                    why, lib = f"library version {lib.qt_cpu_kernels_version()} != {_VERSION}", None
-            except (OSError, RuntimeError, AttributeError) as exc:
-                why = str(exc)
-        if lib is not None:
-            i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-            lib.qt_fake_quantize_tensor.argtypes = [i64, i64, ptr, ptr, f32, f32, f32, f32]
-            lib.qt_fake_quantize_tensor.restype = None
-        else:
-            warnings.warn(f"qtorch_onnx: the C CPU kernels are unavailable ({why}); fake quantization runs its "
-                          "torch path (slower on a CPU)", RuntimeWarning, stacklevel=3)
-        _state["lib"] = lib
-        return lib
+    or the build or load fails (warned once, with the reason; fake quantization then runs its torch path)."""
+    return native.load(_state, ENV_SWITCH, SOURCE, "qtorch_cpu_kernels", _VERSION, _declare,
+                       "qtorch_onnx: the C CPU kernels are unavailable, fake quantization runs its torch path "
+                       "(slower on a CPU)")
 
 
 def available() -> bool:
     """Whether the library loads (see :func:`library`)."""
     return library() is not None
-
-
-def _pool():
-    threads = torch.get_num_threads()
-    if threads <= 1:
-        return None
-    if _state.get("pool_threads") != threads:
-        old = _state.get("pool")
-        if old is not None:
-            old.shutdown(wait=False)
-        _state["pool"] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qtorch-cpu-kernels")
-        _state["pool_threads"] = threads
-    return _state["pool"]
 
 
 def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin: float, qmax: float) -> torch.Tensor:
@@ -110,13 +74,6 @@ def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin:
     y = torch.empty_like(x)
     n = x.numel()
     args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
-    pool = _pool() if n >= PARALLEL_MIN else None
-    if pool is None:
-        lib.qt_fake_quantize_tensor(0, n, *args)
-        return y
-    parts = torch.get_num_threads()
-    cuts = [n * i // parts // 16 * 16 for i in range(parts)] + [n]  # 64-byte aligned ranges
-    futures = [pool.submit(lib.qt_fake_quantize_tensor, a, b, *args) for a, b in zip(cuts, cuts[1:]) if b > a]
-    for f in futures:
-        f.result()
+    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if n >= PARALLEL_MIN else None
+    native.split(lib.qt_fake_quantize_tensor, n, pool, lambda i, a, b: (a, b) + args)
     return y

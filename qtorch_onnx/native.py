@@ -15,13 +15,19 @@ import platform
 import shutil
 import subprocess
 import sys
+import ctypes
 import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
+
+import torch
 
 from .cache import cache_root, file_lock
 
-__all__ = ["compiler", "cpu_id", "build", "FLAGS", "NATIVE"]
+__all__ = ["compiler", "cpu_id", "build", "load", "thread_pool", "split", "FLAGS", "NATIVE"]
 
 #: flags of every build: IEEE arithmetic kept (no -ffast-math), errno and traps off so loops vectorize
 FLAGS: List[str] = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
@@ -93,3 +99,69 @@ def build(cc: str, source: Path, name: str, flags: Sequence[str] = FLAGS, native
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return lib
+
+
+def thread_pool(state: dict, prefix: str):
+    """``(executor, workers)`` with torch's intra-op thread count of workers, kept in ``state["pool"]`` (replaced
+    when the count changes), or None at one thread: for C calls split between threads (ctypes releases the GIL)."""
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return None
+    pool = state.get("pool")
+    if pool is None or pool[1] != threads:
+        if pool is not None:
+            pool[0].shutdown(wait=False)
+        pool = state["pool"] = (ThreadPoolExecutor(threads, thread_name_prefix=prefix), threads)
+    return pool
+
+
+def split(fn: Callable, count: int, pool, args_of: Callable) -> None:
+    """``fn(*args_of(i, a, b))`` over ``count`` items cut into ``[a, b)`` ranges (``i``: the range's index): one call
+    without ``pool`` (:func:`thread_pool`'s result), else one range per worker, waited for."""
+    parts = 1 if pool is None else min(pool[1], count)
+    cuts = [count * i // parts for i in range(parts + 1)]
+    ranges = [(i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+    if pool is None:
+        for i, a, b in ranges:
+            fn(*args_of(i, a, b))
+        return
+    for f in [pool[0].submit(fn, *args_of(i, a, b)) for i, a, b in ranges]:
+        f.result()
+
+
+_load_lock = threading.Lock()
+
+
+def load(state: dict, env_switch: str, source: Path, name: str, version: int, declare: Callable[[ctypes.CDLL], None],
+         unavailable: str, flags: Sequence[str] = FLAGS, native: Sequence[str] = NATIVE) -> Optional[ctypes.CDLL]:
+    """The library built from ``source`` (:func:`build`), loaded once per process and kept in ``state["lib"]``:
+    its ``qt_<source stem>_version()`` must return ``version``, then ``declare(lib)`` sets its functions' argument
+    types. None when ``$<env_switch>`` is ``0`` (not kept: the switch is read on every call), there is no C
+    compiler, or the build, load or version check fails: then a RuntimeWarning ``"<unavailable> (<why>)..."`` is
+    issued once. Thread-safe; without a lock once loaded."""
+    if os.environ.get(env_switch, "1").strip() == "0":
+        return None
+    if "lib" in state:  # loaded (or failed) once: no lock on the hot path
+        return state["lib"]
+    with _load_lock:
+        if "lib" in state:
+            return state["lib"]
+        lib, why = None, None
+        cc = compiler()
+        if cc is None:
+            why = "no C compiler found ($CC, cc, gcc, clang)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(build(cc, source, name, flags, native)))
+                got = getattr(lib, f"qt_{source.stem}_version")()
+                if got != version:
+                    why, lib = f"library version {got} != {version}", None
+            except (OSError, RuntimeError, AttributeError) as exc:
+                why = str(exc)
+        if lib is not None:
+            declare(lib)
+        else:
+            warnings.warn(f"{unavailable} ({why}); {env_switch}=0 chooses that without this warning",
+                          RuntimeWarning, stacklevel=4)
+        state["lib"] = lib
+        return lib

@@ -24,10 +24,6 @@ weights are split by rows between ``torch.get_num_threads()`` threads (ctypes re
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -50,7 +46,6 @@ GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
 PARALLEL_MIN = 1 << 17
 
-_lock = threading.Lock()
 _state: dict = {}
 
 
@@ -62,54 +57,36 @@ def _build(cc: str) -> Path:
     return native.build(cc, SOURCE, "qtorch_cpu_steps", _FLAGS, _NATIVE)
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    rows = [i64, i64, i64, i64]
+    lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
+    adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
+    lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr]
+    lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
+    lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
+    lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
+    lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
+    lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
+    f64 = ctypes.c_double
+    lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
+    lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 4
+    lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
+    lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
+    lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
+    for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
+              lib.qt_depthwise_gram_blocked,
+              lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient):
+        f.restype = None
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, built on first use; None when ``QTORCH_ONNX_CPU_STEPS=0``, there is no C compiler, or
     the build or load fails (warned once, with the reason; the steps then run their torch code)."""
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-        return None
-    if "lib" in _state:  # loaded (or failed) once: no lock on the steps' hot path
-        return _state["lib"]
-    with _lock:
-        if "lib" in _state:
-            return _state["lib"]
-        lib, why = None, None
-        cc = native.compiler()
-        if cc is None:
-            why = "no C compiler found ($CC, cc, gcc, clang)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build(cc)))
-                if lib.qt_cpu_steps_version() != _VERSION:
-                    why, lib = f"library version {lib.qt_cpu_steps_version()} != {_VERSION}", None
-            except (OSError, RuntimeError, AttributeError) as exc:
-                why = str(exc)
-        if lib is not None:
-            i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-            rows = [i64, i64, i64, i64]
-            lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
-            adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
-            lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr]
-            lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
-            lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
-            lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
-            lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
-            lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
-            f64 = ctypes.c_double
-            lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
-            lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 4
-            lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
-            lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
-            lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
-            for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
-                      lib.qt_depthwise_gram_blocked,
-                      lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-                      lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient):
-                f.restype = None
-        else:
-            warnings.warn(f"fast finetune: the fused CPU steps are unavailable ({why}); using the torch steps "
-                          "(slower on a CPU)", RuntimeWarning, stacklevel=3)
-        _state["lib"] = lib
-        return lib
+    return native.load(_state, ENV_SWITCH, SOURCE, "qtorch_cpu_steps", _VERSION, _declare,
+                       "fast finetune: the fused CPU steps are unavailable; using the torch steps (slower on a CPU)",
+                       _FLAGS, _NATIVE)
 
 
 def available() -> bool:
@@ -160,30 +137,11 @@ class RowLayout:
 
 
 def _pool():
-    """``(executor, workers)`` for torch's intra-op thread count, or None at one thread."""
-    threads = torch.get_num_threads()
-    if threads <= 1:
-        return None
-    pool = _state.get("pool")
-    if pool is None or pool[1] != threads:
-        if pool is not None:
-            pool[0].shutdown(wait=False)
-        pool = _state["pool"] = (ThreadPoolExecutor(threads, thread_name_prefix="qtorch_cpu_steps"), threads)
-    return pool
+    """``(executor, workers)`` for torch's intra-op thread count, or None at one thread (native.thread_pool)."""
+    return native.thread_pool(_state, "qtorch_cpu_steps")
 
 
-def _split(fn, count: int, pool, args_of) -> None:
-    """``fn(*args_of(i, a, b))`` over ``count`` items cut into ``[a, b)`` ranges: one call without ``pool``, else one
-    range per worker, waited for (a C call releases the GIL, so the ranges run in parallel)."""
-    parts = 1 if pool is None else min(pool[1], count)
-    cuts = [count * i // parts for i in range(parts + 1)]
-    ranges = [(i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
-    if pool is None:
-        for i, a, b in ranges:
-            fn(*args_of(i, a, b))
-        return
-    for f in [pool[0].submit(fn, *args_of(i, a, b)) for i, a, b in ranges]:
-        f.result()
+_split = native.split
 
 
 def _run(fn, layout: RowLayout, *args) -> None:
