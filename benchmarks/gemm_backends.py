@@ -13,10 +13,10 @@ Prints the device first; results are recorded in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
+from import_time import device as machine  # this folder's import-time benchmark: CPU model, cores, OS
 
 from qtorch_onnx.algorithms import gemm
 
@@ -33,17 +33,6 @@ SHAPES = [
     ("direct wgrad 16->96, 112x112", 96, 12544, 16),
     ("small: 64x64x64", 64, 64, 64),
 ]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -63,7 +52,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"device: {_cpu_name()} CPU, {torch.get_num_threads()} thread(s), "
+    print(f"device: {machine()}, {torch.get_num_threads()} torch thread(s), "
           f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if not gemm.onednn_available():
         print("oneDNN's product is not available here (or QTORCH_ONNX_GEMM=torch): nothing to compare")

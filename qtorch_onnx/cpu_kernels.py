@@ -46,8 +46,7 @@ def library() -> Optional[ctypes.CDLL]:
     """The loaded library, built on first use; None when ``QTORCH_ONNX_CPU_KERNELS=0``, there is no C compiler,
     or the build or load fails (warned once, with the reason; fake quantization then runs its torch path)."""
     return native.load(_state, ENV_SWITCH, SOURCE, "qtorch_cpu_kernels", _VERSION, _declare,
-                       "qtorch_onnx: the C CPU kernels are unavailable, fake quantization runs its torch path "
-                       "(slower on a CPU)")
+                       "qtorch_onnx: the C CPU kernels", "fake quantization runs its torch path (slower on a CPU)")
 
 
 def available() -> bool:

@@ -133,12 +133,13 @@ _load_lock = threading.Lock()
 
 
 def load(state: dict, env_switch: str, source: Path, name: str, version: int, declare: Callable[[ctypes.CDLL], None],
-         unavailable: str, flags: Sequence[str] = FLAGS, native: Sequence[str] = NATIVE) -> Optional[ctypes.CDLL]:
+         what: str, fallback: str, flags: Sequence[str] = FLAGS, native: Sequence[str] = NATIVE
+         ) -> Optional[ctypes.CDLL]:
     """The library built from ``source`` (:func:`build`), loaded once per process and kept in ``state["lib"]``:
     its ``qt_<source stem>_version()`` must return ``version``, then ``declare(lib)`` sets its functions' argument
     types. None when ``$<env_switch>`` is ``0`` (not kept: the switch is read on every call), there is no C
-    compiler, or the build, load or version check fails: then a RuntimeWarning ``"<unavailable> (<why>)..."`` is
-    issued once. Thread-safe; without a lock once loaded."""
+    compiler, or the build, load or version check fails: then a RuntimeWarning ``"<what> are unavailable (<why>);
+    <fallback>"`` is issued once. Thread-safe; without a lock once loaded."""
     if os.environ.get(env_switch, "1").strip() == "0":
         return None
     if "lib" in state:  # loaded (or failed) once: no lock on the hot path
@@ -161,7 +162,7 @@ def load(state: dict, env_switch: str, source: Path, name: str, version: int, de
         if lib is not None:
             declare(lib)
         else:
-            warnings.warn(f"{unavailable} ({why}); {env_switch}=0 chooses that without this warning",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(f"{what} are unavailable ({why}); {fallback} ({env_switch}=0 chooses that without this "
+                          "warning)", RuntimeWarning, stacklevel=4)
         state["lib"] = lib
         return lib

@@ -39,22 +39,12 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
 _VERSION = 8
-_FLAGS = native.FLAGS
-_NATIVE = native.NATIVE
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
 PARALLEL_MIN = 1 << 17
 
 _state: dict = {}
-
-
-def _build(cc: str) -> Path:
-    """Compile ``cpu_steps.c`` into the cache (or find it there) and return the library's path (native.build).
-
-    Raises:
-        RuntimeError: the compiler fails with and without ``-march=native`` (the message has its output)."""
-    return native.build(cc, SOURCE, "qtorch_cpu_steps", _FLAGS, _NATIVE)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -85,8 +75,7 @@ def library() -> Optional[ctypes.CDLL]:
     """The loaded library, built on first use; None when ``QTORCH_ONNX_CPU_STEPS=0``, there is no C compiler, or
     the build or load fails (warned once, with the reason; the steps then run their torch code)."""
     return native.load(_state, ENV_SWITCH, SOURCE, "qtorch_cpu_steps", _VERSION, _declare,
-                       "fast finetune: the fused CPU steps are unavailable; using the torch steps (slower on a CPU)",
-                       _FLAGS, _NATIVE)
+                       "fast finetune: the fused CPU steps", "using the torch steps (slower on a CPU)")
 
 
 def available() -> bool:
@@ -141,8 +130,6 @@ def _pool():
     return native.thread_pool(_state, "qtorch_cpu_steps")
 
 
-_split = native.split
-
 
 def _run(fn, layout: RowLayout, *args) -> None:
     """``fn(r0, r1, channels, inner, *args)`` over all rows: one call, or row ranges on torch's intra-op thread
@@ -151,7 +138,7 @@ def _run(fn, layout: RowLayout, *args) -> None:
     if n < PARALLEL_MIN or layout.rows == 1:  # one call, no pool lookup (most layers: a few microseconds saved)
         fn(0, layout.rows, layout.channels, layout.inner, *args)
         return
-    _split(fn, layout.rows, _pool(), lambda i, a, b: (a, b, layout.channels, layout.inner, *args))
+    native.split(fn, layout.rows, _pool(), lambda i, a, b: (a, b, layout.channels, layout.inner, *args))
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -300,7 +287,7 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
         parts = 1 if pool is None else min(pool[1], blocks)
         scratch = torch.empty(parts, (sh * (wp + 1) + wp + sw) * GRAM_BLOCK, dtype=torch.float64)
         blk = torch.empty(parts, (hp * wp + ho * wo + kh * kw * kh * kw) * GRAM_BLOCK, dtype=torch.float32)
-        _split(library().qt_depthwise_gram_blocked, blocks, pool,
+        native.split(library().qt_depthwise_gram_blocked, blocks, pool,
                lambda i, a, b: (a, b, c, hp, wp, kh, kw, sh, sw, ho, wo, xp.data_ptr(), _ptr(r), h.data_ptr(),
                                 _ptr(g), _ptr(s), scratch[i].data_ptr(), blk[i].data_ptr()))
         return
@@ -309,7 +296,7 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
     parts = 1 if pool is None else min(pool[1], planes)
     scratch = torch.empty(parts, sh * (wp + 1) + wp + sw, dtype=torch.float64)
     spread = torch.empty(parts, hp * wp, dtype=torch.float32)
-    _split(fn, planes, pool, lambda i, a, b: (a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r),
+    native.split(fn, planes, pool, lambda i, a, b: (a, b, hp, wp, kh, kw, sh, sw, ho, wo, m, xp.data_ptr(), _ptr(r),
                                               h.data_ptr(), _ptr(g), _ptr(s), scratch[i].data_ptr(),
                                               spread[i].data_ptr()))
 
@@ -328,7 +315,7 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     sse = torch.empty(b, dtype=torch.float64)
     fn = library().qt_act_residual
     pool = _pool() if b > 1 and pre.numel() >= PARALLEL_MIN else None
-    _split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
+    native.split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
                                          float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
     return sse
 
@@ -363,7 +350,7 @@ def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, 
     parts = 1 if pool is None else min(pool[1], planes)
     scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
     bias_c = None if bias is None else bias.contiguous()
-    _split(library().qt_depthwise_forward, planes, pool,
+    native.split(library().qt_depthwise_forward, planes, pool,
            lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                             weight.data_ptr(), _ptr(bias_c), out.data_ptr(), scratch[i].data_ptr()))
     return out
@@ -382,7 +369,7 @@ def depthwise_wgrad(x: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, 
     parts = 1 if pool is None else min(pool[1], c)
     scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
     tot = torch.empty(parts, kh * kw, dtype=torch.float64)
-    _split(library().qt_depthwise_wgrad, c, pool,
+    native.split(library().qt_depthwise_wgrad, c, pool,
            lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                             grad_out.data_ptr(), gw.data_ptr(), scratch[i].data_ptr(), tot[i].data_ptr()))
     return gw

@@ -715,7 +715,8 @@ def activation_clamp(module: Optional[nn.Module]) -> Optional[Tuple[float, float
     return (lo, hi, float(probe.grad[0]), float(probe.grad[1]))
 
 
-#: the direct loss runs a 1x1 convolution as a batched product into a reused buffer from this many positions per plane
+#: the direct loss runs a 1x1 convolution as one product per sample into a reused buffer from this many positions
+#: per plane (or from ONEDNN_MIN_MACS multiply-adds per sample)
 POINTWISE_MIN_PLANE = 64
 
 
@@ -727,11 +728,15 @@ class DirectLayerLoss:
     Per mini-batch ``I`` of cached inputs ``x_I`` (``[B, ...]``), with the layer's quantized weight ``wq`` and
     bias ``bq``::
 
-        p = conv(x_I, wq, bq)            (torch's convolution / linear, the module's stride, padding, groups)
+        p = conv(x_I, wq, bq)            (the module's stride, padding, groups)
         r = clamp(p, lo, hi) - y_I       (activation_clamp; the identity when the layer is reconstructed alone)
         loss = sum r^2 / (B * D)         (D = y[0].numel() / y.shape[1], as ``_rec_loss``)
         dL/dp = 2 r m / (B * D)          (m: 1 inside (lo, hi), the activation's own gradient at lo / hi)
-        dL/dwq = convolution_backward's weight gradient for dL/dp;  dL/dbq = sum of dL/dp over all but dim 1
+        dL/dwq = the convolution's weight gradient for dL/dp;  dL/dbq = sum of dL/dp over all but dim 1
+
+    The convolution and its weight gradient: on a CPU, cpu_steps' C kernels for a depthwise Conv2d and one
+    product per sample (gemm.matmul_nt, oneDNN) for a 1x1 Conv2d and a Linear; elsewhere torch's convolution and
+    ``convolution_backward``.
 
     the chain rule autograd would apply, in three calls instead of the ten-odd passes of the autograd path
     (clamp, subtraction, square, sum and each one's backward over the whole output), with the residual, its sum
@@ -887,13 +892,17 @@ class DirectLayerLoss:
             gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
         return gw, gb, (sse * f if want_loss else None)
 
+    def _current(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The module's current quantized weight and bias (through its quantizers), float32, detached."""
+        m = self.module
+        bias = m.bias.detach().to(torch.float32) if getattr(m, "bias", None) is not None else None
+        return m.weight.detach().to(torch.float32), bias
+
     @torch.no_grad()
     def output(self, idx) -> torch.Tensor:
         """The layer's output through its activation for the samples ``idx`` (a list of ints) with its current
         quantized weight and bias (the module's): what the forward path computes, as a new float32 tensor."""
-        m = self.module
-        bias = m.bias.detach().to(torch.float32) if getattr(m, "bias", None) is not None else None
-        pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), m.weight.detach().to(torch.float32), bias)
+        pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), *self._current())
         return pre.clone() if self.identity else pre.clamp(self.lo, self.hi)
 
     @torch.no_grad()
@@ -901,9 +910,7 @@ class DirectLayerLoss:
         """The loss of the samples ``idx`` (a list of ints; None: all) with the layer's current quantized weight
         and bias (the module's, through its quantizers), divided like ``_rec_loss`` and averaged over the
         samples: the forward path's loss over them (float64 sums on a CPU), in chunks of ``chunk`` samples."""
-        m = self.module
-        weight = m.weight.detach().to(torch.float32)
-        bias = m.bias.detach().to(torch.float32) if getattr(m, "bias", None) is not None else None
+        weight, bias = self._current()
         ids = list(range(self.x.shape[0])) if idx is None else list(idx)
         total = 0.0
         for a in range(0, len(ids), chunk):

@@ -32,6 +32,17 @@ def _bit_exact(qm, data):
     return exported
 
 
+def _finetuned_layers(algorithm, iterations, check_export=False, **kw):
+    """The layer records of fast finetune on the small CNN at A8W8 (16 samples, batch 2), its export checked
+    bit-exact in ONNX Runtime with ``check_export``."""
+    qm = _prepared("A8W8")
+    fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=iterations, batch_size=2, progress=False,
+                  **kw)
+    if check_export:
+        _bit_exact(qm, calib_data(3, seed=9))
+    return qm.finetune_report.layers
+
+
 @pytest.mark.parametrize("config", ["A8W8", "A16W8", "XINT8", "INT8_CNN_DEFAULT"])
 def test_adaround_lowers_every_layer_loss_and_exports_its_rounding(config):
     qm = _prepared(config)
@@ -284,14 +295,8 @@ def test_quadratic_loss_equals_the_forward_loss_and_gradient(make, shape, train_
 def test_quadratic_loss_path_matches_the_forward_path(algorithm, kw):
     """The Gram-matrix path trains on the same loss and gradient as the forward path: the same layers improve by
     about as much, and the result exports bit-exactly."""
-    reps = {}
-    for quadratic in (False, True):
-        qm = _prepared("A8W8")
-        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=300, batch_size=2, progress=False,
-                      quadratic_loss=quadratic, **kw)
-        reps[quadratic] = qm.finetune_report.layers
-        if quadratic:
-            _bit_exact(qm, calib_data(3, seed=9))
+    reps = {quadratic: _finetuned_layers(algorithm, 300, check_export=quadratic, quadratic_loss=quadratic, **kw)
+            for quadratic in (False, True)}
     used = [r.name for r in reps[True] if "quadratic loss" in r.note]
     assert used, [r.note for r in reps[True]]
     assert not any("quadratic loss" in r.note for r in reps[False])
@@ -389,12 +394,7 @@ def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
             monkeypatch.setattr(ff, "_direct_loss", lambda *a, **k: None)
         else:
             monkeypatch.undo()
-        qm = _prepared("A8W8")
-        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=200, batch_size=2, progress=False,
-                      quadratic_loss=False, **kw)
-        reps[direct] = qm.finetune_report.layers
-        if direct:
-            _bit_exact(qm, calib_data(3, seed=9))
+        reps[direct] = _finetuned_layers(algorithm, 200, check_export=direct, quadratic_loss=False, **kw)
     used = {r.name for r in reps[True] if "direct loss" in r.note}
     softmax = {r.name for r in reps[True] if "softmax" in r.note}
     assert used == {r.name for r in reps[True]} - softmax and len(used) >= 3, [r.note for r in reps[True]]
@@ -418,10 +418,7 @@ def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
 
     def run():
-        qm = _prepared("A8W8")
-        fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=30, batch_size=2, progress=False,
-                      quadratic_loss=False)
-        return qm.finetune_report.layers
+        return _finetuned_layers("adaround", 30, quadratic_loss=False)
 
     assert any("direct loss" in r.note for r in run())
     orig_forward = rc.DirectLayerLoss._forward
