@@ -8,9 +8,16 @@
  * fused path (_fake_quantize_fused):
  *   v = x / scale (IEEE division);  v = rint(v) (round half to even: the default rounding mode);  v = v + zp;
  *   c = clamp(v, qmin, qmax), NaN -> qmin;  y = (c - zp) * scale
- * No multiply is followed by an add the compiler could contract into one rounding (keep it so when editing). */
+ * No multiply is followed by an add the compiler could contract into one rounding (keep it so when editing).
+ *
+ * qt_bfp_values: formats/bfp.py's bfp_reference for bfp_method to_bfp without the bfloat16 conversion (BFP16 and
+ * the other widths, block sizes and rounding modes; docs/numerics.md sections 4 and 5), with its straight-through
+ * mask (section 8) on request. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+
+typedef union { uint32_t u; float f; } bits32;
 
 void qt_fake_quantize_tensor(int64_t i0, int64_t i1, const float *x, float *y, float scale, float zp, float qmin,
                              float qmax) {
@@ -22,4 +29,157 @@ void qt_fake_quantize_tensor(int64_t i0, int64_t i1, const float *x, float *y, f
     }
 }
 
-int qt_cpu_kernels_version(void) { return 1; }
+/* ------------------------------------------------------------------------------------------------------ BFP */
+/* Blocks of `block` elements along the block axis of a tensor seen as [outer, n, inner] (the last block of a row
+ * zero-padded: zeros have E = 0, so a partial block is a smaller one); per block the shared exponent field S = the
+ * largest exponent field E of its finite elements, the step 2^(S - 127 - (m - 1)) (exact; subnormal below
+ * 2^-126, never below 2^-149 for m <= 23), r = round(x / step) in the rounding mode (the quotient of a division by
+ * a power of two is exact wherever it matters: it can only underflow where r is 0), y = clamp(r, -(2^m - 1),
+ * 2^m - 1) step (exact); Inf / NaN elements pass through unchanged. keep (when asked for) = 1 where the gradient
+ * passes (not clipped, or Inf / NaN), else 0. The same float32 operations as the torch reference: the same bits.
+ *
+ * Two passes per piece of the tensor (BFP_CH elements): every element's shared exponent field into a scratch, then
+ * one elementwise loop the compiler vectorizes (bfp_apply, one copy per rounding mode and mask choice). */
+#define BFP_CH 256
+
+static inline uint32_t exp_field(float x) {
+    bits32 b;
+    b.f = x;
+    return (b.u >> 23) & 0xffu;
+}
+
+/* rounding_mode 2 (half to even; a nonzero quotient that rounds to zero gives +0.0), 1 (half toward +inf), else
+ * half away from zero; modes 0 and 1 keep the quotient's sign on a zero result (formats/block.py round_with_mode) */
+static inline __attribute__((always_inline)) float bfp_round(float q, int mode) {
+    if (mode == 2) {
+        float r = rintf(q);
+        return (r == 0.0f) & (q != 0.0f) ? 0.0f : r;
+    }
+    float r;
+    if (mode == 1) {
+        float f = floorf(q);
+        r = f + (float)(q - f >= 0.5f);
+    } else {
+        float t = truncf(q);
+        float sg = (float)(q > 0.0f) - (float)(q < 0.0f);
+        r = t + (fabsf(q - t) >= 0.5f ? sg : 0.0f);
+    }
+    return copysignf(fabsf(r), q);
+}
+
+static inline __attribute__((always_inline)) void bfp_apply(int64_t len, const float *restrict x,
+                                                            const uint32_t *restrict s, int32_t m, int mode,
+                                                            float *restrict y, float *restrict keep, int with_keep) {
+    float lim = (float)((1 << m) - 1);
+    for (int64_t i = 0; i < len; i++) {
+        int32_t k = (int32_t)s[i] - 127 - (m - 1); /* the step's exponent, >= -149 */
+        int32_t sh = k + 149;
+        sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
+        bits32 st;
+        st.u = k >= -126 ? (uint32_t)(k + 127) << 23 : 1u << sh;
+        float xi = x[i];
+        float r = bfp_round(xi / st.f, mode);
+        float c = r < -lim ? -lim : (r > lim ? lim : r);
+        int special = exp_field(xi) == 255u;
+        y[i] = special ? xi : c * st.f;
+        if (with_keep)
+            keep[i] = (float)(special | !(fabsf(r) > lim));
+    }
+}
+
+__attribute__((noinline)) static void bfp_apply_any(int64_t len, const float *restrict x, const uint32_t *restrict s,
+                                                    int32_t m, int mode, float *restrict y, float *restrict keep) {
+    if (keep != NULL) {
+        if (mode == 2)
+            bfp_apply(len, x, s, m, 2, y, keep, 1);
+        else if (mode == 1)
+            bfp_apply(len, x, s, m, 1, y, keep, 1);
+        else
+            bfp_apply(len, x, s, m, 0, y, keep, 1);
+    } else {
+        if (mode == 2)
+            bfp_apply(len, x, s, m, 2, y, keep, 0);
+        else if (mode == 1)
+            bfp_apply(len, x, s, m, 1, y, keep, 0);
+        else
+            bfp_apply(len, x, s, m, 0, y, keep, 0);
+    }
+}
+
+/* whole contiguous blocks (inner 1): every element's shared exponent field */
+__attribute__((noinline)) static void bfp_shared_contiguous(int64_t len, const float *restrict x, int64_t block,
+                                                            uint32_t *restrict s) {
+    for (int64_t b = 0; b < len; b += block) {
+        uint32_t mx = 0;
+        for (int64_t i = b; i < b + block; i++) {
+            uint32_t e = exp_field(x[i]);
+            e = e == 255u ? 0u : e;
+            mx = e > mx ? e : mx;
+        }
+        for (int64_t i = b; i < b + block; i++)
+            s[i] = mx;
+    }
+}
+
+/* ... for blocks of 8 (BFP16's): the maximum by halves, which the compiler vectorizes */
+__attribute__((noinline)) static void bfp_shared_contiguous8(int64_t len, const float *restrict x,
+                                                             uint32_t *restrict s) {
+    for (int64_t b = 0; b < len; b += 8) {
+        uint32_t e[8];
+        for (int i = 0; i < 8; i++) {
+            uint32_t v = exp_field(x[b + i]);
+            e[i] = v == 255u ? 0u : v;
+        }
+        for (int i = 0; i < 4; i++)
+            e[i] = e[i] > e[i + 4] ? e[i] : e[i + 4];
+        for (int i = 0; i < 2; i++)
+            e[i] = e[i] > e[i + 2] ? e[i] : e[i + 2];
+        uint32_t mx = e[0] > e[1] ? e[0] : e[1];
+        for (int i = 0; i < 8; i++)
+            s[b + i] = mx;
+    }
+}
+
+/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n, m magnitude bits (1..23), rounding
+ * mode `mode`; y (and keep, unless NULL) laid out like x */
+void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, int64_t m, int64_t mode,
+                   const float *x, float *y, float *keep) {
+    uint32_t s[BFP_CH] __attribute__((aligned(64)));
+    if (inner == 1 && n % block == 0 && block <= BFP_CH) { /* whole contiguous blocks: pieces of whole blocks */
+        int64_t e0 = o0 * n, e1 = o1 * n, piece = (BFP_CH / block) * block;
+        for (int64_t c = e0; c < e1; c += piece) {
+            int64_t len = e1 - c < piece ? e1 - c : piece;
+            if (block == 8)
+                bfp_shared_contiguous8(len, x + c, s);
+            else
+                bfp_shared_contiguous(len, x + c, block, s);
+            bfp_apply_any(len, x + c, s, (int32_t)m, (int)mode, y + c, keep ? keep + c : NULL);
+        }
+        return;
+    }
+    /* any layout: per block, the shared exponent field of each inner position (BFP_CH of them at a time), then the
+     * block's rows of inner values */
+    for (int64_t o = o0; o < o1; o++)
+        for (int64_t j0 = 0; j0 < inner; j0 += BFP_CH) {
+            int64_t w = inner - j0 < BFP_CH ? inner - j0 : BFP_CH;
+            for (int64_t b = 0; b < n; b += block) {
+                int64_t be = b + block < n ? b + block : n;
+                for (int64_t j = 0; j < w; j++)
+                    s[j] = 0;
+                for (int64_t a = b; a < be; a++) {
+                    const float *row = x + (o * n + a) * inner + j0;
+                    for (int64_t j = 0; j < w; j++) {
+                        uint32_t e = exp_field(row[j]);
+                        e = e == 255u ? 0u : e;
+                        s[j] = e > s[j] ? e : s[j];
+                    }
+                }
+                for (int64_t a = b; a < be; a++) {
+                    int64_t off = (o * n + a) * inner + j0;
+                    bfp_apply_any(w, x + off, s, (int32_t)m, (int)mode, y + off, keep ? keep + off : NULL);
+                }
+            }
+        }
+}
+
+int qt_cpu_kernels_version(void) { return 2; }

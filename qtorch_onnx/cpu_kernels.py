@@ -7,7 +7,10 @@ it bit for bit (tests/test_cpu_kernels.py), and :class:`~qtorch_onnx.fakequant.F
 it gives the same bits and no gradient is needed. ``qt_fake_quantize_tensor`` is
 :func:`qtorch_onnx.formats.integer.fake_quantize` for a per-tensor scale and zero point and a type of at most 16
 bits: the in-place torch path makes seven passes over the tensor (division, rounding, zero point, clamp, NaN,
-zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures both).
+zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures both). ``qt_bfp_values`` is
+:func:`qtorch_onnx.formats.bfp.bfp_reference` for ``to_bfp`` (BFP16 and other widths) without the bfloat16
+conversion, with its straight-through mask on request: the torch reference is about thirty operations, each a
+pass (``benchmarks/bfp_cpu.py``).
 
 Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
 failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
@@ -16,6 +19,7 @@ failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning sa
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -23,11 +27,12 @@ import torch
 
 from . import native
 
-__all__ = ["available", "library", "fake_quantize_tensor", "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN"]
+__all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS",
+           "PARALLEL_MIN"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 1
+_VERSION = 2
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
@@ -40,6 +45,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.qt_fake_quantize_tensor.argtypes = [i64, i64, ptr, ptr, f32, f32, f32, f32]
     lib.qt_fake_quantize_tensor.restype = None
+    lib.qt_bfp_values.argtypes = [i64] * 7 + [ptr] * 3
+    lib.qt_bfp_values.restype = None
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -54,6 +61,17 @@ def available() -> bool:
     return library() is not None
 
 
+def _check(x: torch.Tensor, what: str):
+    """The library, for a contiguous float32 CPU ``x``; else ValueError naming ``what``."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"{what}: needs a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
+                         f"{'' if x.is_contiguous() else ' (not contiguous)'}")
+    lib = library()
+    if lib is None:
+        raise ValueError(f"{what}: the C CPU kernels are unavailable (see cpu_kernels.available())")
+    return lib
+
+
 def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin: float, qmax: float) -> torch.Tensor:
     """``fake_quantize(x, scale, zero_point)`` for one scale and zero point (``formats.integer``, a type of at most
     16 bits with range ``[qmin, qmax]``), in one pass: a new float32 tensor of ``x``'s shape. ``x``: contiguous
@@ -64,15 +82,46 @@ def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin:
         ValueError: ``x`` not a contiguous float32 CPU tensor, or the library is unavailable (check
             :func:`available` first).
     """
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"fake_quantize_tensor: needs a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
-                         f"{'' if x.is_contiguous() else ' (not contiguous)'}")
-    lib = library()
-    if lib is None:
-        raise ValueError("fake_quantize_tensor: the C CPU kernels are unavailable (see cpu_kernels.available())")
+    lib = _check(x, "fake_quantize_tensor")
     y = torch.empty_like(x)
     n = x.numel()
     args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
     pool = native.thread_pool(_state, "qtorch_cpu_kernels") if n >= PARALLEL_MIN else None
     native.split(lib.qt_fake_quantize_tensor, n, pool, lambda i, a, b: (a, b) + args)
+    return y
+
+
+def bfp_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_width: int, rounding_mode: int,
+                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """BFP (``to_bfp``) quantize-dequantize of ``x`` along ``axis`` in blocks of ``block_size`` with
+    ``bit_width - 9`` magnitude bits and ``rounding_mode`` 0 / 1 / 2 (docs/numerics.md sections 4 and 5), bit for
+    bit :func:`qtorch_onnx.formats.bfp.bfp_reference`'s result: a new float32 tensor of ``x``'s shape. With
+    ``keep`` (contiguous float32 of ``x``'s shape) its straight-through mask is written there too: 1.0 where the
+    gradient passes (not clipped, or Inf / NaN), else 0.0 (section 8); a buffer kept between calls (two fresh
+    buffers of a large tensor freed together are returned to the system by glibc, and every call then pays their
+    page faults: 0.34 -> 1.9 ms on 655k elements).
+
+    Args:
+        x: contiguous float32 CPU tensor of at least two elements (the format returns a one-element tensor as it
+            is: not handled here). axis: the block axis, ``0 .. rank - 1`` (rank 1: its one dimension).
+        block_size (>= 1), bit_width (10 .. 32), rounding_mode: as ``BFPQuantizeDequantize``'s attributes,
+            validated by the caller.
+
+    Raises:
+        ValueError: ``x`` not a contiguous float32 CPU tensor, fewer than two elements, an axis out of range, or the
+            library unavailable (check :func:`available` first).
+    """
+    lib = _check(x, "bfp_fake_quantize")
+    if x.numel() < 2 or not 0 <= axis < max(x.dim(), 1):
+        raise ValueError(f"bfp_fake_quantize: {x.numel()} elements, axis {axis} of a rank-{x.dim()} tensor; needs at "
+                         "least two elements and an axis in 0 .. rank - 1")
+    shape = tuple(x.shape) if x.dim() > 1 else (x.numel(),)
+    axis = axis if x.dim() > 1 else 0
+    outer, n, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    y = torch.empty_like(x)
+    kp = None if keep is None else keep.data_ptr()
+    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if outer > 1 and x.numel() >= PARALLEL_MIN else None
+    native.split(lib.qt_bfp_values, outer, pool,
+                 lambda i, a, b: (a, b, n, inner, int(block_size), int(bit_width) - 9, int(rounding_mode),
+                                  x.data_ptr(), y.data_ptr(), kp))
     return y

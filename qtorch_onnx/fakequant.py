@@ -588,8 +588,18 @@ class FakeQuantize(nn.Module):
         """BFP / BFP-prime (MX4/6/9) quantize-dequantize along the block axis (docs/numerics.md sections 4-6)."""
         from . import ops as _ops
 
-        return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend,
-                                            **_bfp_kwargs(self.fmt))
+        fmt = self.fmt
+        if (self.backend == "auto" and fmt.bfp_method == "to_bfp" and not fmt.convert_to_bfloat_before_bfp
+                and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= 2 and x.is_contiguous()
+                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and x.requires_grad) and _cpu_kernels.available()):
+            # evaluation on a CPU: the torch reference's bits in one C call (cpu_kernels.c) instead of about
+            # thirty torch operations
+            from .formats.block import normalize_axis
+
+            return _cpu_kernels.bfp_fake_quantize(x, normalize_axis(self._block_axis(x), x.dim()), fmt.block_size,
+                                                  fmt.bit_width, fmt.rounding_mode)
+        return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend, **_bfp_kwargs(fmt))
 
     def _qdq_mx(self, x: torch.Tensor) -> torch.Tensor:
         """OCP MX quantize-dequantize along the block axis (docs/numerics.md sections 4 and 7)."""

@@ -121,3 +121,124 @@ def test_compiled_and_traced_forwards_keep_the_torch_path():
         ref = fq(x)
         got = torch.compile(fq, backend="eager", fullgraph=False)(x)
     assert torch.equal(_bits(got), _bits(ref))
+
+
+# ---------------------------------------------------------------------------------------------- BFP (to_bfp)
+def _check_bfp(x, axis, block, bits, mode):
+    from qtorch_onnx.formats.bfp import bfp_reference
+
+    ref, ref_keep = bfp_reference(x, axis=axis, bit_width=bits, block_size=block, rounding_mode=mode,
+                                  return_mask=True)
+    keep = torch.full_like(x, 7.0)
+    got = cpu_kernels.bfp_fake_quantize(x.contiguous(), axis % max(x.dim(), 1), block, bits, mode, keep=keep)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert torch.equal(_bits(got), _bits(ref)), (tuple(x.shape), axis, block, bits, mode)
+    assert torch.equal(keep, ref_keep.to(torch.float32)), (tuple(x.shape), axis, block, bits, mode)
+    assert torch.equal(_bits(cpu_kernels.bfp_fake_quantize(x.contiguous(), axis % max(x.dim(), 1), block, bits,
+                                                           mode)), _bits(ref))  # without the mask: same bits
+
+
+def _wide_range(shape, seed):
+    """Values over many binades, with zeros of both signs, +-Inf, NaN and subnormals sprinkled in."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-140, 120, shape, generator=gen).float() / 4)
+    flat = x.view(-1)
+    for start, step, v in ((0, 97, 0.0), (5, 101, -0.0), (7, 113, math.inf), (8, 109, -math.inf), (9, 127, math.nan),
+                           (11, 131, 1e-41), (13, 89, -3e-39), (3, 61, 1e-45)):
+        flat[start::step] = v
+    return x
+
+
+@pytest.mark.parametrize("shape,axis", [((96, 64, 1, 1), 1), ((16, 3, 3, 3), 1), ((24, 1, 5, 5), 1), ((4, 1280), 1),
+                                        ((37,), 0), ((5, 13, 7), 1), ((6, 20), 0), ((3, 16, 5), -1),
+                                        ((2, 40, 9, 11), 1)])
+@pytest.mark.parametrize("bits,block,mode", [(16, 8, 2), (16, 8, 0), (16, 8, 1), (12, 4, 2), (10, 3, 0),
+                                             (24, 16, 1), (32, 8, 2), (16, 1, 2), (13, 32, 0)])
+def test_bfp_equals_reference_on_layouts_and_specials(shape, axis, bits, block, mode):
+    """Whole and partial blocks, contiguous (inner 1) and strided block axes, one-element blocks (a depthwise
+    weight's axis 1), every rounding mode; values from subnormals to 2^30, signed zeros, +-Inf, NaN."""
+    _check_bfp(_wide_range(shape, seed=sum(shape) + bits + block + mode), axis, block, bits, mode)
+
+
+def test_bfp_ties_and_saturation():
+    """Exact ties of every rounding mode (x / step = k + 0.5 of both parities and signs) and the round-up past
+    2^m - 1 steps that saturates (the mask's zeros)."""
+    m = 7
+    k = torch.arange(-127, 127, dtype=torch.float32)
+    ties = torch.cat([(k + 0.5) / 64, torch.tensor([127.6, -127.6, 127.4, 0.3, -0.3, -0.5, 0.5]) / 64])
+    x = torch.cat([ties, torch.zeros(-ties.numel() % 8)]).reshape(-1, 8)
+    x[:, 0] = 1.99  # every block's shared exponent: 1.99 -> step 2^-6, so x / step is the ties above
+    for mode in (0, 1, 2):
+        _check_bfp(x, 1, 8, 9 + m, mode)
+    keep = torch.empty_like(x)
+    cpu_kernels.bfp_fake_quantize(x, 1, 8, 16, 2, keep=keep)
+    assert (keep == 0).any() and (keep == 1).any()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=2, max_size=240),
+       st.integers(1, 20), st.integers(10, 32), st.sampled_from([0, 1, 2]), st.integers(1, 4), st.booleans())
+def test_bfp_equals_reference_property(values, block, bits, mode, rows, axis0):
+    x = torch.tensor(values, dtype=torch.float32)
+    if x.numel() % rows == 0 and rows > 1:
+        x = x.reshape(rows, -1)
+    _check_bfp(x, 0 if axis0 else x.dim() - 1, block, bits, mode)
+
+
+def test_bfp_threads_split_gives_the_same_bits():
+    x = _wide_range((640, 512), seed=5)
+    before = torch.get_num_threads()
+    try:
+        out = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            out.append(cpu_kernels.bfp_fake_quantize(x, 1, 8, 16, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(_bits(out[0]), _bits(out[1]))
+    _check_bfp(x, 1, 8, 16, 2)
+
+
+def test_bfp_bad_input_is_refused():
+    with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+        cpu_kernels.bfp_fake_quantize(torch.zeros(8, 8).t(), 1, 8, 16, 2)
+    with pytest.raises(ValueError, match="at least two elements"):
+        cpu_kernels.bfp_fake_quantize(torch.zeros(1), 0, 8, 16, 2)
+    with pytest.raises(ValueError, match="axis 2 of a rank-2 tensor"):
+        cpu_kernels.bfp_fake_quantize(torch.zeros(4, 4), 2, 8, 16, 2)
+
+
+def test_bfp_quantizer_uses_it_in_evaluation_only(monkeypatch):
+    """A BFP16 quantizer on a CPU gives the reference's bits through the kernel without gradient; with a gradient
+    wanted, with backend="reference", or for BFP-prime (MX9), the torch path runs."""
+    from qtorch_onnx.formats.bfp import bfp_reference
+    from qtorch_onnx.formats.spec import BFPFormat
+
+    x = _wide_range((4, 24, 10, 10), seed=6)
+    x[~torch.isfinite(x)] = 1.0
+    calls = []
+    real = cpu_kernels.bfp_fake_quantize
+    monkeypatch.setattr(cpu_kernels, "bfp_fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fq = FakeQuantize(BFPFormat(), tensor_name="act", axis=1)
+    fq.fake_quant_enabled = True
+    ref = bfp_reference(x, axis=1, bit_width=16, block_size=8, rounding_mode=2)
+    with torch.no_grad():
+        y = fq(x)
+    assert calls == [1] and torch.equal(_bits(y), _bits(ref))
+    xr = x.clone().requires_grad_()
+    yr = fq(xr)
+    assert calls == [1] and torch.equal(_bits(yr.detach()), _bits(ref))
+    fq.backend = "reference"
+    with torch.no_grad():
+        assert torch.equal(_bits(fq(x)), _bits(ref))
+    prime = FakeQuantize(BFPFormat("to_bfp_prime", 16, 16), tensor_name="act", axis=1)
+    prime.fake_quant_enabled = True
+    with torch.no_grad():
+        prime(x)
+    assert calls == [1]
+    fq.backend = "auto"
+    fq.axis = 4
+    from qtorch_onnx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="axis"), torch.no_grad():
+        fq(x)  # an axis out of range is the reference's error, not a wrapped-around axis

@@ -1,17 +1,19 @@
 """AdaQuant's iteration without autograd through the quantizers (Hubara et al. 2021, "Accurate Post Training
-Quantization With Small Calibration Sets", arXiv 2006.10518): the integer fake-quantized weight (and INT32 bias)
-with their straight-through gradients, for fast finetune's loop (:mod:`qtorch_onnx.algorithms.fast_finetune`).
+Quantization With Small Calibration Sets", arXiv 2006.10518): the fake-quantized weight (and bias) with their
+straight-through gradients, for fast finetune's loop (:mod:`qtorch_onnx.algorithms.fast_finetune`).
+:class:`AdaQuantStep` covers integer weights (INT32 biases), :class:`BFPAdaQuantStep` BFP ones (BFP16 and the
+other ``to_bfp`` widths and block sizes); :func:`adaquant_step` picks one.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..formats import integer as _integer
 from .adaround import _fixed_qparams
 
-__all__ = ["AdaQuantStep"]
+__all__ = ["AdaQuantStep", "BFPAdaQuantStep", "adaquant_step"]
 
 
 class AdaQuantStep:
@@ -170,3 +172,138 @@ class AdaQuantStep:
             else:
                 self.bias.grad = torch.mul(gb, bias_mask, out=torch.empty_like(self.bias))
         self._saved = None
+
+
+class _BFPTensor:
+    """One BFP-quantized tensor of :class:`BFPAdaQuantStep`: its quantizer's block axis and attributes, and how
+    its values are computed (one C call, ``cpu_kernels.bfp_fake_quantize``, or the quantizer's own kernel without
+    autograd)."""
+
+    def __init__(self, fq, t: torch.Tensor) -> None:
+        from .. import cpu_kernels
+
+        self.t = t
+        from ..formats.block import normalize_axis
+
+        self.axis = normalize_axis(fq._block_axis(t), t.dim())
+        self.fmt = fq.fmt
+        self.backend = fq.backend
+        self.fused = (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                      and cpu_kernels.available())
+        # the C call's mask, kept between calls (a fresh one per call costs its page faults on large weights)
+        self._keep = torch.empty_like(t) if self.fused else None
+
+    @torch.no_grad()
+    def values(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(tq, keep)``: the quantized tensor (float32, the tensor's shape) and where its gradient passes (float
+        1.0 / 0.0 from the C call, bool from the quantizer's kernel)."""
+        fmt, x = self.fmt, self.t.detach()
+        if self.fused:
+            from .. import cpu_kernels
+
+            y = cpu_kernels.bfp_fake_quantize(x, self.axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode,
+                                              keep=self._keep)
+            return y, self._keep
+        from .. import ops as _ops
+        from ..fakequant import _bfp_kwargs
+
+        fn = _ops._kernel("bfp", _ops.resolve_backend(self.backend, x))
+        return fn(x.to(torch.float32), return_mask=True, validate=False, axis=self.axis, **_bfp_kwargs(fmt))
+
+
+class BFPAdaQuantStep:
+    """One layer's AdaQuant quantization and straight-through gradient for BFP weights (and biases), written out.
+
+    BFP (``to_bfp``: BFP16, and other bit widths, block sizes and rounding modes; docs/numerics.md sections 4 and
+    5): per block of ``block_size`` elements along the quantizer's block axis, the shared exponent is the largest
+    exponent field of its finite elements, every element rounds to ``bit_width - 9`` magnitude bits on that
+    exponent's grid and saturates at ``2^m - 1`` steps::
+
+        wq = bfp(w);  dL/dw = dL/dwq * keep      (keep: 0 where the element was clipped, docs/numerics.md section 8)
+
+    The block's exponent follows the weight (nothing is held fixed, as the quantizer does it). On a CPU the values
+    are one C call (``cpu_kernels.bfp_fake_quantize``, the bits of ``formats.bfp.bfp_reference``) and, with fast finetune's
+    Adam, the step is Adam's update of the masked gradient in one more (``cpu_steps.masked_adam``); elsewhere the
+    quantizer's own kernel (torch reference, or Triton on CUDA) without autograd. A trained bias quantized BFP takes
+    the same arithmetic along its one dimension. :meth:`check` compares the values with the quantizers' outputs bit
+    for bit before the first step.
+
+    Args:
+        fq_w: the weight's BFP ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).
+        fq_b / bias: the bias's BFP quantizer and parameter when the bias is trained, else None.
+
+    Raises:
+        ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
+    """
+
+    def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
+        why = self.unsupported(fq_w, weight, fq_b, bias)
+        if why is not None:
+            raise ValueError(f"BFPAdaQuantStep: {why}")
+        self.weight, self.bias = weight, bias
+        self._tensors = [_BFPTensor(fq_w, weight)] + ([_BFPTensor(fq_b, bias)] if bias is not None else [])
+        self._saved: Optional[List[torch.Tensor]] = None
+
+    @staticmethod
+    def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
+        """Why this layer cannot take the written-out step (a short reason), or None when it can."""
+        for what, fq, t in (("weight", fq_w, weight), ("bias", fq_b, bias)):
+            if t is None:
+                continue
+            fmt = getattr(fq, "fmt", None)
+            if fq is None or getattr(fmt, "bfp_method", None) != "to_bfp" or fmt.convert_to_bfloat_before_bfp:
+                return f"{what} format {getattr(fmt, 'name', None)} (the step covers to_bfp without the bfloat16 " \
+                       "conversion)"
+            if fq.rounding is not None or t.numel() < 2 or t.dtype != torch.float32:
+                return f"{what}: a rounding hook, fewer than two elements, or not float32"
+        return None
+
+    @torch.no_grad()
+    def check(self, expected: List[torch.Tensor]) -> bool:
+        """Whether :meth:`values` equals ``expected`` (the quantizers' outputs: weight, then the bias when trained)
+        bit for bit (as int32: a NaN's payload, the sign of a zero)."""
+        ok = all(v.shape == e.shape and torch.equal(v.view(torch.int32), e.to(torch.float32).view(torch.int32))
+                 for v, e in zip(self.values(), expected))
+        self._saved = None
+        return ok
+
+    @torch.no_grad()
+    def values(self) -> List[torch.Tensor]:
+        """``[wq]`` or ``[wq, bq]`` (float32, the parameters' shapes) for the current parameters; keeps the
+        gradient masks for :meth:`set_grads`."""
+        pairs = [t.values() for t in self._tensors]
+        self._saved = [keep for _, keep in pairs]
+        return [v for v, _ in pairs]
+
+    @torch.no_grad()
+    def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0,
+                  optimizer=None) -> None:
+        """Set ``weight.grad`` (and ``bias.grad``) to ``grads = [dL/dwq (, dL/dbq)]`` times the masks of the last
+        :meth:`values` call (``beta`` / ``reg_param``: unused). With the C values and an ``optimizer`` that offers
+        ``fused_moments`` (fast finetune's Adam), Adam's step is taken here in one call per tensor and its
+        ``.grad`` stays None."""
+        if self._saved is None:
+            raise RuntimeError("BFPAdaQuantStep.set_grads before values()")
+        moments = getattr(optimizer, "fused_moments", None)
+        for bt, keep, g in zip(self._tensors, self._saved, grads):
+            p = bt.t
+            g = g.reshape(p.shape)
+            from . import cpu_steps
+
+            if bt.fused and moments is not None and cpu_steps.available():
+                cpu_steps.masked_adam(p.detach(), g.contiguous(), keep, moments(p))
+                p.grad = None
+            else:  # laid out like the parameter, as autograd does (CUDA's fused Adam rejects any other layout)
+                p.grad = torch.mul(g, keep, out=torch.empty_like(p))
+        self._saved = None
+
+
+def adaquant_step(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None):
+    """``(step, None)``: the written-out AdaQuant step for this layer's formats (:class:`AdaQuantStep` for integer
+    weights, :class:`BFPAdaQuantStep` for BFP ones), or ``(None, reason)`` when neither covers it (fast finetune
+    then trains the layer through autograd)."""
+    if getattr(getattr(fq_w, "fmt", None), "bfp_method", None) is not None:
+        why = BFPAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
+        return (None, why) if why is not None else (BFPAdaQuantStep(fq_w, weight, fq_b, bias), None)
+    why = AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
+    return (None, why) if why is not None else (AdaQuantStep(fq_w, weight, fq_b, bias), None)

@@ -42,7 +42,7 @@ import torch
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
-from .adaquant import AdaQuantStep
+from .adaquant import adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
                              in_graph_order, sample_count)
@@ -257,7 +257,8 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             chain rule written out instead of autograd through the quantizers: AdaRound
             (:class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep`: soft rounding and regulariser, about 20
             elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
-            biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator). A
+            biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator) or
+            on BFP weights and biases (:class:`~qtorch_onnx.algorithms.adaquant.BFPAdaQuantStep`). A
             single Conv1d / Conv2d / Linear layer without Gram matrices, on its own output or through a ReLU /
             baked Clip, then runs without autograd too
             (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`: its forward and weight-gradient
@@ -473,7 +474,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
-    (:class:`AdaRoundStep` / :class:`AdaQuantStep`) where every layer allows them (:func:`_manual_steps`).
+    (:class:`AdaRoundStep` / :class:`AdaQuantStep` / :class:`BFPAdaQuantStep`) where every layer allows them (:func:`_manual_steps`).
     ``direct_for()``: without Gram matrices, a single layer's :class:`DirectLayerLoss` (or None) and its note,
     used with the steps when its gradient agrees with autograd's (its losses before / after then too). Fills and
     returns ``rec``."""
@@ -728,9 +729,9 @@ def _param_quantizer(module, param, fq):
 
 
 def _manual_steps(layers, hooks, s: FastFinetuneSettings):
-    """Per layer, its written-out step (:class:`AdaRoundStep` with ``hooks``, else :class:`AdaQuantStep`) and
-    the ``ParamQuantizer`` of each tensor the step quantizes (the forward path overrides them with the step's
-    values), or None when any layer cannot take one: a tensor quantized outside its module's parametrization,
+    """Per layer, its written-out step (:class:`AdaRoundStep` with ``hooks``, else :func:`adaquant_step`'s
+    :class:`AdaQuantStep` / :class:`BFPAdaQuantStep`) and the ``ParamQuantizer`` of each tensor the step
+    quantizes (the forward path overrides them with the step's values), or None when any layer cannot take one: a tensor quantized outside its module's parametrization,
     a case the step's ``unsupported`` names, or a step value that differs from the quantizer's own (the same
     function: checked on the values)."""
     out = []
@@ -746,9 +747,9 @@ def _manual_steps(layers, hooks, s: FastFinetuneSettings):
             fq_b = layer.bias_quantizer if bias is not None else None
             if bias is not None:
                 found.append(_param_quantizer(module, bias, fq_b))
-            if AdaQuantStep.unsupported(layer.weight_quantizer, layer.weight, fq_b, bias) is not None:
+            step, _ = adaquant_step(layer.weight_quantizer, layer.weight, fq_b, bias)
+            if step is None:
                 return None
-            step = AdaQuantStep(layer.weight_quantizer, layer.weight, fq_b, bias)
         if any(f is None for f in found):
             return None
         with torch.no_grad():

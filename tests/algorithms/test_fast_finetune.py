@@ -810,6 +810,116 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
                 assert torch.equal(got[0].view(torch.int32), getattr(layer.module, "weight").view(torch.int32))
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
+    """BFPAdaQuantStep gives the BFP16 quantizers' own weight and bias bits and autograd's straight-through
+    gradients (clipped elements: 0), with the C values and with the quantizer's torch kernel; with fast finetune's
+    Adam the C step updates the weight as torch's Adam does (its arithmetic: equal to float rounding)."""
+    from qtorch_onnx import cpu_kernels
+    from qtorch_onnx.algorithms.adaquant import BFPAdaQuantStep, adaquant_step
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1" if kernels == "c" else "0")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    qm = _prepared("BFP16")
+    gen = torch.Generator().manual_seed(5)
+    for layer in qm.layers():
+        fq_w, fq_b, w, b = layer.weight_quantizer, layer.bias_quantizer, layer.weight, layer.bias
+        step, why = adaquant_step(fq_w, w, fq_b, b)
+        assert isinstance(step, BFPAdaQuantStep), why
+        assert all(t.fused == (kernels == "c") for t in step._tensors)
+        with torch.no_grad():  # a block maximum that rounds up past 2^m - 1 steps: clipped, no gradient
+            w.view(-1)[0] = 1.999 * 2.0 ** torch.frexp(w.abs().max())[1].item()
+        upstream_w, upstream_b = torch.randn(w.shape, generator=gen), torch.randn(b.shape, generator=gen)
+        w.requires_grad_(True)
+        b.requires_grad_(True)
+        w.grad = b.grad = None
+        wq, bq = layer.module.weight, layer.module.bias
+        ((wq * upstream_w).sum() + (bq * upstream_b).sum()).backward()
+        ref_w, ref_b = w.grad.clone(), b.grad.clone()
+        assert (ref_w == 0).any()
+        w.grad = b.grad = None
+        assert step.check([wq.detach(), bq.detach()])
+        vals = step.values()
+        assert torch.equal(vals[0].view(torch.int32), wq.detach().view(torch.int32))
+        assert torch.equal(vals[1].view(torch.int32), bq.detach().view(torch.int32))
+        step.set_grads([upstream_w.clone(), upstream_b.clone()])
+        assert torch.equal(w.grad, ref_w) and torch.equal(b.grad, ref_b)
+        with pytest.raises(RuntimeError, match="before values"):
+            step.set_grads([upstream_w, upstream_b])
+        # Adam: the step's (C: one masked update per tensor, .grad left None) against torch's on the same gradient
+        w0, b0 = w.detach().clone(), b.detach().clone()
+        step.values()
+        opt = _FusedAdam([w, b], 1e-3)
+        w.grad = b.grad = None
+        step.set_grads([upstream_w.clone(), upstream_b.clone()], optimizer=opt)
+        opt.step()
+        ours_w, ours_b = w.detach().clone(), b.detach().clone()
+        with torch.no_grad():
+            w.copy_(w0)
+            b.copy_(b0)
+        ref_opt = torch.optim.Adam([w, b], lr=1e-3)
+        w.grad, b.grad = ref_w.clone(), ref_b.clone()
+        ref_opt.step()
+        # (the C update's arithmetic is torch's, its bits may differ in the last place: within 1e-4 of a step)
+        torch.testing.assert_close(ours_w, w.detach(), rtol=0, atol=1e-7)
+        torch.testing.assert_close(ours_b, b.detach(), rtol=0, atol=1e-7)
+        assert not torch.equal(ours_w, w0)
+        w.requires_grad_(False)
+        b.requires_grad_(False)
+
+
+def test_bfp_adaquant_step_refuses_what_it_does_not_cover():
+    """BFP-prime (MX9), the bfloat16 conversion and other families are not the BFP step's: adaquant_step says why
+    (fast finetune then trains those layers through autograd) or hands integer weights to AdaQuantStep."""
+    from qtorch_onnx.algorithms.adaquant import AdaQuantStep, BFPAdaQuantStep, adaquant_step
+    from qtorch_onnx.fakequant import FakeQuantize
+    from qtorch_onnx.formats.spec import BFPFormat
+
+    w = torch.randn(8, 16)
+    for fmt in (BFPFormat("to_bfp_prime", 16, 16), BFPFormat(convert_to_bfloat_before_bfp=1)):
+        step, why = adaquant_step(FakeQuantize(fmt, tensor_name="w", axis=1), w)
+        assert step is None and "to_bfp" in why
+        with pytest.raises(ValueError, match="BFPAdaQuantStep"):
+            BFPAdaQuantStep(FakeQuantize(fmt, tensor_name="w", axis=1), w)
+    qm = _prepared("MX9")
+    layer = qm.layers()[0]
+    assert adaquant_step(layer.weight_quantizer, layer.weight)[0] is None
+    qm = _prepared("A8W8")
+    qo.disable_observer(qm)  # as AdaQuant does: the scale stays as calibrated
+    layer = qm.layers()[0]
+    assert isinstance(adaquant_step(layer.weight_quantizer, layer.weight)[0], AdaQuantStep)
+
+
+def test_bfp16_adaquant_trains_with_the_written_out_step(monkeypatch):
+    """fast_finetune's AdaQuant on BFP16 takes the written-out step on every layer (no autograd through the
+    quantizers), lowers the loss as autograd's training does, and exports bit-exactly."""
+    from qtorch_onnx.algorithms.adaquant import BFPAdaQuantStep
+
+    calls = {"n": 0}
+    orig = BFPAdaQuantStep.set_grads
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(BFPAdaQuantStep, "set_grads", counted)
+    reps = {}
+    for manual in (False, True):
+        qm = _prepared("BFP16")
+        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=60, batch_size=2, learning_rate=1e-5,
+                      update_bias=True, progress=False, manual_gradient=manual)
+        reps[manual] = qm.finetune_report.layers
+        assert calls["n"] == (4 * 60 if manual else 0)
+        if manual:
+            _bit_exact(qm, calib_data(3, seed=9))
+    before = sum(r.loss_before for r in reps[False])
+    for recs in reps.values():
+        assert sum(r.loss_after for r in recs) < before
+    for a, b in zip(reps[False], reps[True]):  # the same training, to float rounding
+        assert abs(a.loss_after - b.loss_after) <= 0.05 * a.loss_before, (a, b)
+
+
 @pytest.mark.parametrize("algorithm,kw,step_name", [
     ("adaround", {}, "AdaRoundStep"),
     ("adaquant", dict(update_bias=True, learning_rate=1e-5), "AdaQuantStep"),

