@@ -34,6 +34,9 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define ZETA 1.1f
 #define GAMMA (-0.1f)
@@ -734,43 +737,95 @@ static inline vf loadu(const float *p) {
     return v;
 }
 
+/* the first n (<= VL) lanes of a block: a full one is one vector load / store; a partial one a masked load / store
+ * with AVX-512 (a copy of a variable length compiles to `rep movs`, about 30 cycles a block: it was half of these
+ * kernels' time), lane by lane otherwise */
+static inline vf load_n(const float *p, int64_t n) {
+    if (n == VL)
+        return loadu(p);
+#if defined(__AVX512F__)
+    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+#else
+    vf v = (vf){0};
+    for (int64_t t = 0; t < n; t++)
+        v[t] = p[t];
+    return v;
+#endif
+}
+
+static inline void store_n(float *p, vf v, int64_t n) {
+    if (n == VL) {
+        __builtin_memcpy(p, &v, sizeof v);
+        return;
+    }
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), (__m512)v);
+#else
+    for (int64_t t = 0; t < n; t++)
+        p[t] = v[t];
+#endif
+}
+
 /* one plane's output: out[y][x] = bias + sum_i w[i] xpad[sh y + a_i][sw x + b_i], the taps i = a kw + b accumulated in
  * order in a register block of VL output columns (the last block reads up to VL - 1 columns past its row: the next
  * row's, or the scratch's zeroed slack; those lanes are not stored). Explicit vectors: left to itself GCC vectorizes
- * across the taps with gathers. */
+ * across the taps with gathers. With k <= KMAX a constant (the callers below), the taps' broadcast weights and
+ * offsets sit in registers for the plane (GCC reloaded both from memory for every block). (Tried: four blocks side
+ * by side, independent chains of multiply-adds: slower, 0.67 -> 0.72 ms for 2 x 32 planes of 112 x 112.) */
+#define KMAX 25
 static inline __attribute__((always_inline)) void dw_forward_block(const float *restrict pp, int64_t wq, int64_t k,
                                                                   const int64_t *restrict off, int64_t sh, int64_t ho,
                                                                   int64_t wo, const float *restrict w, float bias,
                                                                   float *restrict out) {
+    vf wv[KMAX];
+    int64_t o[KMAX];
+    for (int64_t i = 0; i < k; i++) {
+        wv[i] = (vf){0} + w[i];
+        o[i] = off[i];
+    }
+    for (int64_t y = 0; y < ho; y++)
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
+            vf acc = (vf){0} + bias;
+            const float *row = pp + sh * y * wq + x0;
+            for (int64_t i = 0; i < k; i++)
+                acc += wv[i] * loadu(row + o[i]);
+            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
+        }
+}
+
+/* ... any k: the weights and offsets read as they are needed */
+static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
+                           int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {
     for (int64_t y = 0; y < ho; y++)
         for (int64_t x0 = 0; x0 < wo; x0 += VL) {
             vf acc = (vf){0} + bias;
             const float *row = pp + sh * y * wq + x0;
             for (int64_t i = 0; i < k; i++)
                 acc += w[i] * loadu(row + off[i]);
-            int64_t n = wo - x0 < VL ? wo - x0 : VL;
-            __builtin_memcpy(out + y * wo + x0, &acc, (size_t)n * sizeof(float));
+            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
         }
 }
 
 /* one plane's weight gradient, added to tot (k doubles): tot[i] += sum_{y, x} g[y][x] xpad[sh y + a_i][sw x + b_i],
  * every tap's VL float lanes in registers over the plane (a block of g read once for all taps; lanes past the row
- * end multiply zero), then summed in float64 */
+ * end multiply zero), then summed in float64. k <= KMAX a constant: the lanes and offsets in registers (a
+ * variable-length array of them lived in memory) */
 static inline __attribute__((always_inline)) void dw_wgrad_block(const float *restrict pp, int64_t wq, int64_t k,
                                                                 const int64_t *restrict off, int64_t sh, int64_t ho,
                                                                 int64_t wo, const float *restrict g,
                                                                 double *restrict tot) {
-    vf acc[k];
-    for (int64_t i = 0; i < k; i++)
+    vf acc[KMAX];
+    int64_t o[KMAX];
+    for (int64_t i = 0; i < k; i++) {
         acc[i] = (vf){0};
+        o[i] = off[i];
+    }
     for (int64_t y = 0; y < ho; y++)
         for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            int64_t n = wo - x0 < VL ? wo - x0 : VL;
-            vf gv = (vf){0};
-            __builtin_memcpy(&gv, g + y * wo + x0, (size_t)n * sizeof(float));
+            vf gv = load_n(g + y * wo + x0, wo - x0 < VL ? wo - x0 : VL);
             const float *row = pp + sh * y * wq + x0;
             for (int64_t i = 0; i < k; i++)
-                acc[i] += gv * loadu(row + off[i]);
+                acc[i] += gv * loadu(row + o[i]);
         }
     for (int64_t i = 0; i < k; i++) {
         double sum = 0.0;
@@ -780,16 +835,42 @@ static inline __attribute__((always_inline)) void dw_wgrad_block(const float *re
     }
 }
 
-/* the kernels with the common tap counts as constants (the tap loops unrolled, the gradient's lanes in registers) */
+/* ... any k, one tap at a time over the plane (the same float lanes and sums per tap) */
+static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
+                         int64_t ho, int64_t wo, const float *restrict g, double *restrict tot) {
+    for (int64_t i = 0; i < k; i++) {
+        vf acc = (vf){0};
+        for (int64_t y = 0; y < ho; y++)
+            for (int64_t x0 = 0; x0 < wo; x0 += VL) {
+                vf gv = load_n(g + y * wo + x0, wo - x0 < VL ? wo - x0 : VL);
+                acc += gv * loadu(pp + sh * y * wq + x0 + off[i]);
+            }
+        double sum = 0.0;
+        for (int t = 0; t < VL; t++)
+            sum += (double)acc[t];
+        tot[i] += sum;
+    }
+}
+
+/* ... k taps in groups of `group` (a constant) over the plane: the group's lanes in registers, g read once per group
+ * (25 taps' lanes and offsets at once exceed the registers) */
+static inline __attribute__((always_inline)) void dw_wgrad_rows(const float *restrict pp, int64_t wq, int64_t k,
+                                                               int64_t group, const int64_t *restrict off, int64_t sh,
+                                                               int64_t ho, int64_t wo, const float *restrict g,
+                                                               double *restrict tot) {
+    for (int64_t i0 = 0; i0 < k; i0 += group)
+        dw_wgrad_block(pp, wq, group, off + i0, sh, ho, wo, g, tot + i0);
+}
+
+/* the kernels with the common tap counts as constants (the tap loops unrolled, weights, offsets and the gradient's
+ * lanes in registers) */
 __attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
                                                       int64_t sh, int64_t ho, int64_t wo, const float *w, float bias,
                                                       float *out) {
     if (k == 9)
         dw_forward_block(pp, wq, 9, off, sh, ho, wo, w, bias, out);
-    else if (k == 25)
-        dw_forward_block(pp, wq, 25, off, sh, ho, wo, w, bias, out);
     else
-        dw_forward_block(pp, wq, k, off, sh, ho, wo, w, bias, out);
+        dw_forward_any(pp, wq, k, off, sh, ho, wo, w, bias, out);
 }
 
 __attribute__((noinline)) static void dw_wgrad_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
@@ -797,9 +878,9 @@ __attribute__((noinline)) static void dw_wgrad_plane(const float *pp, int64_t wq
     if (k == 9)
         dw_wgrad_block(pp, wq, 9, off, sh, ho, wo, g, tot);
     else if (k == 25)
-        dw_wgrad_block(pp, wq, 25, off, sh, ho, wo, g, tot);
+        dw_wgrad_rows(pp, wq, 25, 5, off, sh, ho, wo, g, tot);
     else
-        dw_wgrad_block(pp, wq, k, off, sh, ho, wo, g, tot);
+        dw_wgrad_any(pp, wq, k, off, sh, ho, wo, g, tot);
 }
 
 /* tap (a, b) reads the phase planes from offset off[a kw + b] = ((b % sw) hp + a) wq + b / sw (then sh y wq + x) */
@@ -845,5 +926,50 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
     }
 }
 
+/* The direct layer loss of a depthwise convolution through a clamp in one pass per plane (DirectLayerLoss.gradient):
+ * for channels ch in [c0, c1) and each of the nb samples idx[b], the plane's padded phases (phase_plane, once), its
+ * output (dw_forward_plane) into `plane` (ho wo floats, in cache), the residual and output gradient in place
+ * (act_residual_row: g = gscale (clamp(p, lo, hi) - target) m), its weight gradient from the same phases
+ * (dw_wgrad_plane) and its bias gradient; nothing of the output goes to memory. The forward, act_residual and
+ * wgrad calls' arithmetic, plane for plane: gw the same bits (the samples summed in order per channel), g the same
+ * floats; gb[ch] = sum of g over the channel's planes in float64 (not torch's float32 sum), sse[ch] = sum r^2
+ * (float64). gb NULL: not computed. scratch and tot as qt_depthwise_wgrad's. */
+void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int64_t *idx, const float *x, int64_t h,
+                         int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
+                         int64_t wo, const float *weight, const float *bias, const float *target, float lo, float hi,
+                         float wlo, float whi, float gscale, float *gw, float *gb, double *sse, float *scratch,
+                         float *plane, double *tot) {
+    int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw, len = ho * wo;
+    int64_t off[k];
+    tap_offsets(kh, kw, sw, hp, wq, off);
+    for (int64_t ch = c0; ch < c1; ch++) {
+        for (int64_t i = 0; i < k; i++)
+            tot[i] = 0.0;
+        double total = 0.0, gsum = 0.0;
+        for (int64_t b = 0; b < nb; b++) {
+            phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+            dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
+            total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale);
+            dw_wgrad_plane(scratch, wq, k, off, sh, ho, wo, plane, tot);
+            if (gb != NULL) {
+                double acc[8] = {0.0};
+                int64_t q = 0;
+                for (; q + 8 <= len; q += 8)
+                    for (int t = 0; t < 8; t++)
+                        acc[t] += (double)plane[q + t];
+                for (; q < len; q++)
+                    acc[0] += (double)plane[q];
+                for (int t = 0; t < 8; t++)
+                    gsum += acc[t];
+            }
+        }
+        for (int64_t i = 0; i < k; i++)
+            gw[ch * k + i] = (float)tot[i];
+        if (gb != NULL)
+            gb[ch] = (float)gsum;
+        sse[ch] = total;
+    }
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 8; }
+int qt_cpu_steps_version(void) { return 9; }

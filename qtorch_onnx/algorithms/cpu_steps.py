@@ -34,11 +34,11 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual",
-           "depthwise_forward", "depthwise_wgrad", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
+           "depthwise_forward", "depthwise_wgrad", "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 8
+_VERSION = 9
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -64,10 +64,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
     lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
+    lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
+        [ptr] * 6
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient):
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient, lib.qt_depthwise_direct):
         f.restype = None
 
 
@@ -373,3 +375,34 @@ def depthwise_wgrad(x: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, 
            lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                             grad_out.data_ptr(), gw.data_ptr(), scratch[i].data_ptr(), tot[i].data_ptr()))
     return gw
+
+
+def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
+                     gscale: float, bias_grad: bool):
+    """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
+    (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
+    ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
+    ``p = conv(x, weight, bias)`` (:func:`depthwise_forward`'s arithmetic), ``r = clamp(p, lo, hi) - target`` and the
+    output gradient ``g = gscale r m`` (:func:`act_residual`'s), then the weight gradient ``[C, 1, kh, kw]``
+    (:func:`depthwise_wgrad`'s bits), the bias gradient ``[C]`` (the sum of ``g`` per channel in float64; None
+    without ``bias_grad``) and ``sse = sum r^2`` (0-d float64), each plane's output kept in cache between the three
+    steps instead of written out and read back twice (and its padded copy made once instead of twice). Channels are
+    split between torch's threads."""
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    b, c = idx.numel(), x.shape[1]
+    gw = torch.empty(c, 1, kh, kw, dtype=torch.float32)
+    gb = torch.empty(c, dtype=torch.float32) if bias_grad else None
+    sse = torch.empty(c, dtype=torch.float64)
+    pool = _pool() if c > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
+    parts = 1 if pool is None else min(pool[1], c)
+    scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
+    plane = torch.empty(parts, ho * wo, dtype=torch.float32)
+    tot = torch.empty(parts, kh * kw, dtype=torch.float64)
+    bias_c = None if bias is None else bias.contiguous()
+    native.split(library().qt_depthwise_direct, c, pool,
+                 lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
+                                  weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi), float(wlo),
+                                  float(whi), float(gscale), gw.data_ptr(), _ptr(gb), sse.data_ptr(),
+                                  scratch[i].data_ptr(), plane[i].data_ptr(), tot[i].data_ptr()))
+    return gw, gb, sse.sum()

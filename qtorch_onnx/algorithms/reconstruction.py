@@ -866,15 +866,18 @@ class DirectLayerLoss:
         ``want_loss=False``). ``idx``: the mini-batch's sample indices (a list of ints or an int64 tensor, on the
         host or the layer's device; repeats allowed; the fused CPU pass reads them on the host)."""
         ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
-        pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
         f = factor / (ids.numel() * self.denominator)
-        sse, g = self._residual(pre, ids, 2.0 * f)
-        m = self.module
-        if self.depthwise:
+        if self.depthwise:  # forward, residual and gradients plane by plane in one C call, nothing written out
             from . import cpu_steps
 
-            gw = cpu_steps.depthwise_wgrad(self.x, ids, g, m.kernel_size, m.stride, m.padding)
-        elif self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
+            m = self.module
+            gw, gb, sse = cpu_steps.depthwise_direct(
+                self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
+                m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None)
+            return gw, gb, (sse * f if want_loss else None)
+        pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
+        sse, g = self._residual(pre, ids, 2.0 * f)
+        if self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
             c, p = self.x.shape[1], g[0].numel() // g.shape[1]
             gw = None
             for j, i in enumerate(ids.tolist()):

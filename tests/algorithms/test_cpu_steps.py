@@ -3,6 +3,7 @@ AdaQuant's weight bit for bit (NaN, infinities, signed zeros, saturation), AdaRo
 float32 rounding, the row split between threads, the build cache and the switch that turns them off."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -311,6 +312,46 @@ def test_depthwise_forward_and_weight_gradient_equal_torch(channels, size, kerne
     assert torch.equal(y1, y2) and torch.equal(gw1, gw2)
     torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw1, ref_w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels,size,kernel,stride,padding,clamp", [
+    (5, 12, 3, 1, 1, (0.0, 6.0, 0.0, 0.0)), (4, 21, 5, 2, 2, (-math.inf, math.inf, 1.0, 1.0)),
+    (3, 9, (3, 5), (2, 3), (1, 2), (0.0, math.inf, 0.0, 1.0)), (6, 40, 3, 2, 1, (0.0, 6.0, 0.0, 0.0)),
+    (3, 10, (2, 4), 1, (0, 1), (-1.0, 1.0, 0.5, 0.5)),
+])
+def test_depthwise_direct_equals_forward_residual_wgrad(channels, size, kernel, stride, padding, clamp):
+    """The one-pass depthwise direct loss gives the three-call composition's results: the weight gradient to the
+    bit (depthwise_forward, act_residual, depthwise_wgrad), the bias gradient and the loss to float rounding (their
+    sums in float64 per channel); the same bits on two threads; no bias gradient when none is asked for."""
+    gen = torch.Generator().manual_seed(6)
+    conv = torch.nn.Conv2d(channels, channels, kernel, stride=stride, padding=padding, groups=channels)
+    x = torch.randn(4, channels, size, size + 5, generator=gen)
+    w, b = conv.weight.detach().contiguous(), conv.bias.detach()
+    with torch.no_grad():
+        target = (conv(x) + 0.3 * torch.randn(conv(x).shape, generator=gen)).contiguous()
+    idx = torch.tensor([3, 1, 3])
+    lo, hi, wlo, whi = clamp
+    pre = cpu_steps.depthwise_forward(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding)
+    ref_sse = cpu_steps.act_residual(pre, target, idx, lo, hi, wlo, whi, 0.25).sum()
+    ref_w = cpu_steps.depthwise_wgrad(x, idx, pre, conv.kernel_size, conv.stride, conv.padding)
+    ref_b = pre.double().sum([0, 2, 3]).float()
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got.append(cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding, target,
+                                                  lo, hi, wlo, whi, 0.25, True))
+    finally:
+        torch.set_num_threads(before)
+    (gw, gb, sse), (gw2, gb2, sse2) = got
+    assert torch.equal(gw.view(torch.int32), ref_w.view(torch.int32))
+    assert torch.equal(gw, gw2) and torch.equal(gb, gb2) and float(sse) == float(sse2)
+    torch.testing.assert_close(gb, ref_b, rtol=1e-6, atol=1e-6)
+    assert abs(float(sse) - float(ref_sse)) <= 1e-12 * float(ref_sse)
+    gw3, gb3, _ = cpu_steps.depthwise_direct(x, idx, w, None, conv.kernel_size, conv.stride, conv.padding, target,
+                                             lo, hi, wlo, whi, 0.25, False)
+    assert gb3 is None and gw3.shape == gw.shape
 
 
 @pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((6, 1000), 0, False), ((50, 9), None, False)])
