@@ -933,7 +933,8 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
  * (dw_wgrad_plane) and its bias gradient; nothing of the output goes to memory. The forward, act_residual and
  * wgrad calls' arithmetic, plane for plane: gw the same bits (the samples summed in order per channel), g the same
  * floats; gb[ch] = sum of g over the channel's planes in float64 (not torch's float32 sum), sse[ch] = sum r^2
- * (float64). gb NULL: not computed. scratch and tot as qt_depthwise_wgrad's. */
+ * (float64). gb NULL: not computed; gw NULL: neither gradient, the loss alone (no weight-gradient pass). scratch
+ * and tot as qt_depthwise_wgrad's. */
 void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int64_t *idx, const float *x, int64_t h,
                          int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                          int64_t wo, const float *weight, const float *bias, const float *target, float lo, float hi,
@@ -950,7 +951,8 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
             dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
             total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale);
-            dw_wgrad_plane(scratch, wq, k, off, sh, ho, wo, plane, tot);
+            if (gw != NULL)
+                dw_wgrad_plane(scratch, wq, k, off, sh, ho, wo, plane, tot);
             if (gb != NULL) {
                 double acc[8] = {0.0};
                 int64_t q = 0;
@@ -963,7 +965,7 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
                     gsum += acc[t];
             }
         }
-        for (int64_t i = 0; i < k; i++)
+        for (int64_t i = 0; gw != NULL && i < k; i++)
             gw[ch * k + i] = (float)tot[i];
         if (gb != NULL)
             gb[ch] = (float)gsum;

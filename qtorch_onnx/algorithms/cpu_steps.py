@@ -379,7 +379,7 @@ def depthwise_wgrad(x: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, 
 
 def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
-                     gscale: float, bias_grad: bool):
+                     gscale: float, bias_grad: bool, grads: bool = True):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -387,12 +387,13 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     output gradient ``g = gscale r m`` (:func:`act_residual`'s), then the weight gradient ``[C, 1, kh, kw]``
     (:func:`depthwise_wgrad`'s bits), the bias gradient ``[C]`` (the sum of ``g`` per channel in float64; None
     without ``bias_grad``) and ``sse = sum r^2`` (0-d float64), each plane's output kept in cache between the three
-    steps instead of written out and read back twice (and its padded copy made once instead of twice). Channels are
-    split between torch's threads."""
+    steps instead of written out and read back twice (and its padded copy made once instead of twice).
+    ``grads=False``: the loss alone (``gw`` and ``gb`` None, no weight-gradient pass), the forward path's loss
+    without its output written out. Channels are split between torch's threads."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     b, c = idx.numel(), x.shape[1]
-    gw = torch.empty(c, 1, kh, kw, dtype=torch.float32)
-    gb = torch.empty(c, dtype=torch.float32) if bias_grad else None
+    gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
+    gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64)
     pool = _pool() if c > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
@@ -403,6 +404,6 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     native.split(library().qt_depthwise_direct, c, pool,
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi), float(wlo),
-                                  float(whi), float(gscale), gw.data_ptr(), _ptr(gb), sse.data_ptr(),
+                                  float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
                                   scratch[i].data_ptr(), plane[i].data_ptr(), tot[i].data_ptr()))
     return gw, gb, sse.sum()

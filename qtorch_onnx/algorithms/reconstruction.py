@@ -930,6 +930,14 @@ class DirectLayerLoss:
         samples: the forward path's loss over them (float64 sums on a CPU), in chunks of ``chunk`` samples."""
         weight, bias = self._current()
         ids = list(range(self.x.shape[0])) if idx is None else list(idx)
+        if self.depthwise:  # one C call, no output written out (the forward and residual passes' arithmetic)
+            from . import cpu_steps
+
+            m = self.module
+            sse = cpu_steps.depthwise_direct(self.x, torch.tensor(ids, dtype=torch.int64), weight.contiguous(), bias,
+                                             m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
+                                             self.wlo, self.whi, 0.0, False, grads=False)[2]
+            return float(sse) / (len(ids) * self.denominator)
         total = 0.0
         for a in range(0, len(ids), chunk):
             part = torch.tensor(ids[a:a + chunk], dtype=torch.int64)

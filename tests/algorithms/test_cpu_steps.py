@@ -352,6 +352,27 @@ def test_depthwise_direct_equals_forward_residual_wgrad(channels, size, kernel, 
     gw3, gb3, _ = cpu_steps.depthwise_direct(x, idx, w, None, conv.kernel_size, conv.stride, conv.padding, target,
                                              lo, hi, wlo, whi, 0.25, False)
     assert gb3 is None and gw3.shape == gw.shape
+    none_w, none_b, alone = cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding,
+                                                       target, lo, hi, wlo, whi, 0.0, True, grads=False)
+    assert none_w is None and none_b is None and float(alone) == float(sse)  # the loss alone: the same sums
+
+
+def test_direct_loss_value_of_a_depthwise_layer_equals_the_forward_path():
+    """DirectLayerLoss.value of a depthwise layer (one C call, no output written out) is the loss of its forward
+    through the clamp over the samples, as _rec_loss computes it."""
+    from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss
+
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6)
+    x = torch.randn(5, 6, 17, 17, generator=gen)
+    with torch.no_grad():
+        target = (conv(x) + 0.2 * torch.randn(conv(x).shape, generator=gen)).clamp(0.0, 6.0)
+        d = DirectLayerLoss(conv, x, target, (0.0, 6.0, 0.0, 0.0), conv.bias.detach())
+        assert d.depthwise
+        ref = ((conv(x).clamp(0.0, 6.0) - target).double() ** 2).sum(1).mean()
+        assert abs(d.value() - float(ref)) <= 1e-5 * float(ref)
+        part = ((conv(x[[4, 1]]).clamp(0.0, 6.0) - target[[4, 1]]).double() ** 2).sum(1).mean()
+        assert abs(d.value([4, 1]) - float(part)) <= 1e-5 * float(part)
 
 
 @pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((6, 1000), 0, False), ((50, 9), None, False)])
