@@ -492,3 +492,40 @@ def test_small_gram_gradient_equals_the_torch_path(make, shape, train_bias):
             torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-6 * float(rb.abs().max()))
         else:
             assert gb is None and rb is None
+
+
+@pytest.mark.parametrize("kind", ["pointwise", "depthwise", "depthwise strided", "other"])
+def test_staged_convolution_routes_equal_the_module(kind):
+    """The staged forward passes' faster routes (a 1x1 convolution on a large plane as one product per sample, a
+    depthwise one by the C kernel) give the module's output to float rounding; other convolutions, small planes and
+    a module with its own forward are left to the module (None)."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    gen = torch.Generator().manual_seed(8)
+    if kind == "pointwise":
+        conv, x = torch.nn.Conv2d(16, 24, 1), torch.randn(3, 16, 56, 57, generator=gen)
+    elif kind == "depthwise":
+        conv, x = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.randn(3, 8, 30, 29, generator=gen)
+    elif kind == "depthwise strided":
+        conv, x = torch.nn.Conv2d(8, 8, 5, stride=2, padding=2, groups=8, bias=False), \
+            torch.randn(2, 8, 61, 60, generator=gen)
+    else:
+        conv, x = torch.nn.Conv2d(8, 8, 3, padding=1), torch.randn(2, 8, 40, 40, generator=gen)
+    with torch.no_grad():
+        got = rc._staged_conv(conv, x)
+        if kind == "other":
+            assert got is None
+            return
+        ref = conv(x)
+        assert got is not None and got.shape == ref.shape and got.is_contiguous()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert rc._staged_conv(conv, x[:, :, :8, :8].contiguous()) is None  # a small plane: the module's
+        assert rc._staged_conv(conv, x.double()) is None
+
+        class Own(torch.nn.Conv2d):
+            def forward(self, inp):
+                return super().forward(inp) * 2
+
+        own = Own(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                  groups=conv.groups)
+        assert rc._staged_conv(own, x) is None
