@@ -740,17 +740,22 @@ static inline vf loadu(const float *p) {
 /* the first n (<= VL) lanes of a block: a full one is one vector load / store; a partial one a masked load / store
  * with AVX-512 (a copy of a variable length compiles to `rep movs`, about 30 cycles a block: it was half of these
  * kernels' time), lane by lane otherwise */
+#if defined(__AVX512F__)
+/* one masked instruction whatever n (a branch between a full and a masked access split the kernels' loops in two,
+ * and GCC then stored every accumulator to memory each block) */
+static inline __mmask16 lanes_mask(int64_t n) { return n >= VL ? (__mmask16)0xFFFFu : (__mmask16)((1u << n) - 1u); }
+
+static inline vf load_n(const float *p, int64_t n) { return (vf)_mm512_maskz_loadu_ps(lanes_mask(n), p); }
+
+static inline void store_n(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, lanes_mask(n), (__m512)v); }
+#else
 static inline vf load_n(const float *p, int64_t n) {
     if (n == VL)
         return loadu(p);
-#if defined(__AVX512F__)
-    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
-#else
     vf v = (vf){0};
     for (int64_t t = 0; t < n; t++)
         v[t] = p[t];
     return v;
-#endif
 }
 
 static inline void store_n(float *p, vf v, int64_t n) {
@@ -758,81 +763,108 @@ static inline void store_n(float *p, vf v, int64_t n) {
         __builtin_memcpy(p, &v, sizeof v);
         return;
     }
-#if defined(__AVX512F__)
-    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), (__m512)v);
-#else
     for (int64_t t = 0; t < n; t++)
         p[t] = v[t];
-#endif
 }
+#endif
 
 /* one plane's output: out[y][x] = bias + sum_i w[i] xpad[sh y + a_i][sw x + b_i], the taps i = a kw + b accumulated in
- * order in a register block of VL output columns (the last block reads up to VL - 1 columns past its row: the next
- * row's, or the scratch's zeroed slack; those lanes are not stored). Explicit vectors: left to itself GCC vectorizes
- * across the taps with gathers. With k <= KMAX a constant (the callers below), the taps' broadcast weights and
- * offsets sit in registers for the plane (GCC reloaded both from memory for every block). (Tried: four blocks side
- * by side, independent chains of multiply-adds: slower, 0.67 -> 0.72 ms for 2 x 32 planes of 112 x 112.) */
-#define KMAX 25
-static inline __attribute__((always_inline)) void dw_forward_block(const float *restrict pp, int64_t wq, int64_t k,
-                                                                  const int64_t *restrict off, int64_t sh, int64_t ho,
-                                                                  int64_t wo, const float *restrict w, float bias,
-                                                                  float *restrict out) {
-    vf wv[KMAX];
-    int64_t o[KMAX];
-    for (int64_t i = 0; i < k; i++) {
-        wv[i] = (vf){0} + w[i];
-        o[i] = off[i];
+ * order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
+ * the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left to itself GCC
+ * vectorizes across the taps with gathers. With 9 taps their broadcast weights and offsets sit in registers for the
+ * plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side (independent
+ * chains of multiply-adds: a block alone waits on its k multiply-adds' latency; 5x5 taps 10-15% faster, 3x3 ones 5%
+ * slower that way). */
+/* DW_FORWARD(K): the kernel for K taps, its arrays of exactly K entries (arrays sized for the largest K stayed in
+ * memory, reloaded and stored every block) */
+#define DW_FORWARD(K)                                                                                                  \
+    static void dw_forward_k##K(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh,        \
+                                int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {   \
+        vf wv[K];                                                                                                      \
+        int64_t o[K];                                                                                                  \
+        for (int i = 0; i < K; i++) {                                                                                  \
+            wv[i] = (vf){0} + w[i];                                                                                    \
+            o[i] = off[i];                                                                                             \
+        }                                                                                                              \
+        for (int64_t y = 0; y < ho; y++)                                                                               \
+            for (int64_t x0 = 0; x0 < wo; x0 += VL) {                                                                  \
+                vf acc = (vf){0} + bias;                                                                               \
+                const float *row = pp + sh * y * wq + x0;                                                              \
+                for (int i = 0; i < K; i++)                                                                            \
+                    acc += wv[i] * loadu(row + o[i]);                                                                  \
+                store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);                                          \
+            }                                                                                                          \
     }
-    for (int64_t y = 0; y < ho; y++)
-        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            vf acc = (vf){0} + bias;
-            const float *row = pp + sh * y * wq + x0;
-            for (int64_t i = 0; i < k; i++)
-                acc += wv[i] * loadu(row + o[i]);
-            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
-        }
-}
+DW_FORWARD(9)
 
 /* ... any k: the weights and offsets read as they are needed */
 static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
                            int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {
-    for (int64_t y = 0; y < ho; y++)
-        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            vf acc = (vf){0} + bias;
-            const float *row = pp + sh * y * wq + x0;
-            for (int64_t i = 0; i < k; i++)
-                acc += w[i] * loadu(row + off[i]);
-            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
+    for (int64_t y = 0; y < ho; y++) {
+        const float *row = pp + sh * y * wq;
+        int64_t x0 = 0;
+        for (; x0 + VL < wo; x0 += 2 * VL) {
+            vf acc = (vf){0} + bias, acc2 = acc;
+            for (int64_t i = 0; i < k; i++) {
+                acc += w[i] * loadu(row + x0 + off[i]);
+                acc2 += w[i] * loadu(row + x0 + VL + off[i]);
+            }
+            store_n(out + y * wo + x0, acc, VL);
+            store_n(out + y * wo + x0 + VL, acc2, wo - x0 - VL < VL ? wo - x0 - VL : VL);
         }
+        if (x0 < wo) {
+            vf acc = (vf){0} + bias;
+            for (int64_t i = 0; i < k; i++)
+                acc += w[i] * loadu(row + x0 + off[i]);
+            store_n(out + y * wo + x0, acc, wo - x0);
+        }
+    }
 }
 
 /* one plane's weight gradient, added to tot (k doubles): tot[i] += sum_{y, x} g[y][x] xpad[sh y + a_i][sw x + b_i],
  * every tap's VL float lanes in registers over the plane (a block of g read once for all taps; lanes past the row
- * end multiply zero), then summed in float64. k <= KMAX a constant: the lanes and offsets in registers (a
- * variable-length array of them lived in memory) */
-static inline __attribute__((always_inline)) void dw_wgrad_block(const float *restrict pp, int64_t wq, int64_t k,
-                                                                const int64_t *restrict off, int64_t sh, int64_t ho,
-                                                                int64_t wo, const float *restrict g,
-                                                                double *restrict tot) {
-    vf acc[KMAX];
-    int64_t o[KMAX];
-    for (int64_t i = 0; i < k; i++) {
-        acc[i] = (vf){0};
-        o[i] = off[i];
-    }
-    for (int64_t y = 0; y < ho; y++)
-        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            vf gv = load_n(g + y * wo + x0, wo - x0 < VL ? wo - x0 : VL);
+ * end multiply zero), then summed in float64 */
+/* the sum of a vector's lanes in float64, in lane order */
+static inline void add_lanes(vf a, double *restrict tot) {
+    float lanes[VL];
+    __builtin_memcpy(lanes, &a, sizeof lanes);
+    double sum = 0.0;
+    for (int t = 0; t < VL; t++)
+        sum += (double)lanes[t];
+    *tot += sum;
+}
+
+/* DW_WGRAD_N: the gradient of taps off[0..N) with N named accumulators (an array of them, even of a constant size,
+ * lived in memory: GCC stored every accumulator each block) */
+#define DW_TAP(i) a##i += gv * loadu(row + o##i)
+#define DW_WGRAD_HEAD                                                                                                  \
+    for (int64_t y = 0; y < ho; y++)                                                                                   \
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {                                                                      \
+            vf gv = load_n(g + y * wo + x0, wo - x0 < VL ? wo - x0 : VL);                                              \
             const float *row = pp + sh * y * wq + x0;
-            for (int64_t i = 0; i < k; i++)
-                acc[i] += gv * loadu(row + o[i]);
+
+static void dw_wgrad_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
+                        int64_t wo, const float *restrict g, double *restrict tot) {
+    vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0;
+    int64_t o0 = off[0], o1 = off[1], o2 = off[2], o3 = off[3], o4 = off[4], o5 = off[5], o6 = off[6], o7 = off[7],
+            o8 = off[8];
+    DW_WGRAD_HEAD
+            DW_TAP(0); DW_TAP(1); DW_TAP(2); DW_TAP(3); DW_TAP(4); DW_TAP(5); DW_TAP(6); DW_TAP(7); DW_TAP(8);
         }
-    for (int64_t i = 0; i < k; i++) {
-        double sum = 0.0;
-        for (int t = 0; t < VL; t++)
-            sum += (double)acc[i][t];
-        tot[i] += sum;
-    }
+    add_lanes(a0, tot); add_lanes(a1, tot + 1); add_lanes(a2, tot + 2); add_lanes(a3, tot + 3);
+    add_lanes(a4, tot + 4); add_lanes(a5, tot + 5); add_lanes(a6, tot + 6); add_lanes(a7, tot + 7);
+    add_lanes(a8, tot + 8);
+}
+
+static void dw_wgrad_k5(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
+                        int64_t wo, const float *restrict g, double *restrict tot) {
+    vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0;
+    int64_t o0 = off[0], o1 = off[1], o2 = off[2], o3 = off[3], o4 = off[4];
+    DW_WGRAD_HEAD
+            DW_TAP(0); DW_TAP(1); DW_TAP(2); DW_TAP(3); DW_TAP(4);
+        }
+    add_lanes(a0, tot); add_lanes(a1, tot + 1); add_lanes(a2, tot + 2); add_lanes(a3, tot + 3);
+    add_lanes(a4, tot + 4);
 }
 
 /* ... any k, one tap at a time over the plane (the same float lanes and sums per tap) */
@@ -852,23 +884,13 @@ static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const 
     }
 }
 
-/* ... k taps in groups of `group` (a constant) over the plane: the group's lanes in registers, g read once per group
- * (25 taps' lanes and offsets at once exceed the registers) */
-static inline __attribute__((always_inline)) void dw_wgrad_rows(const float *restrict pp, int64_t wq, int64_t k,
-                                                               int64_t group, const int64_t *restrict off, int64_t sh,
-                                                               int64_t ho, int64_t wo, const float *restrict g,
-                                                               double *restrict tot) {
-    for (int64_t i0 = 0; i0 < k; i0 += group)
-        dw_wgrad_block(pp, wq, group, off + i0, sh, ho, wo, g, tot + i0);
-}
-
 /* the kernels with the common tap counts as constants (the tap loops unrolled, weights, offsets and the gradient's
  * lanes in registers) */
 __attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
                                                       int64_t sh, int64_t ho, int64_t wo, const float *w, float bias,
                                                       float *out) {
     if (k == 9)
-        dw_forward_block(pp, wq, 9, off, sh, ho, wo, w, bias, out);
+        dw_forward_k9(pp, wq, off, sh, ho, wo, w, bias, out);
     else
         dw_forward_any(pp, wq, k, off, sh, ho, wo, w, bias, out);
 }
@@ -876,9 +898,10 @@ __attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t 
 __attribute__((noinline)) static void dw_wgrad_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
                                                     int64_t sh, int64_t ho, int64_t wo, const float *g, double *tot) {
     if (k == 9)
-        dw_wgrad_block(pp, wq, 9, off, sh, ho, wo, g, tot);
-    else if (k == 25)
-        dw_wgrad_rows(pp, wq, 25, 5, off, sh, ho, wo, g, tot);
+        dw_wgrad_k9(pp, wq, off, sh, ho, wo, g, tot);
+    else if (k == 25) /* five groups of five taps: g read five times, 25 taps' lanes and offsets exceed the registers */
+        for (int64_t i0 = 0; i0 < 25; i0 += 5)
+            dw_wgrad_k5(pp, wq, off + i0, sh, ho, wo, g, tot + i0);
     else
         dw_wgrad_any(pp, wq, k, off, sh, ho, wo, g, tot);
 }
