@@ -336,7 +336,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     was_training = qm.training
     qm.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
-    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level)
+    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level, fast_convs=True)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 

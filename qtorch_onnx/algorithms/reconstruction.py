@@ -173,6 +173,8 @@ class StagedExecutor:
             ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder).
         budget_bytes: level 0: cached bytes on the device before spilling to the host.
         what: the algorithm's name, for messages.
+        fast_convs: run large 1x1 and depthwise Conv2d nodes by the faster CPU routes of :func:`_staged_conv` (the
+            same convolution to float rounding; off: every node as the module computes it, bit for bit).
 
     Raises:
         DataError: the samples do not stack along dim 0 for a target layer (inputs of varying shapes).
@@ -180,9 +182,10 @@ class StagedExecutor:
 
     def __init__(self, q_gm: fx.GraphModule, f_gm: Optional[fx.GraphModule], chunks: Sequence[Tuple[torch.Tensor, ...]],
                  device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30,
-                 what: str = "fast finetune") -> None:
+                 what: str = "fast finetune", fast_convs: bool = False) -> None:
         self.q_gm, self.f_gm = q_gm, f_gm
         self.what = what
+        self.fast_convs = fast_convs
         self.q_nodes = list(q_gm.graph.nodes)
         self.f_by_name = {n.name: n for n in f_gm.graph.nodes} if f_gm is not None else {}
         self.chunks = list(chunks)
@@ -242,7 +245,8 @@ class StagedExecutor:
             idx = [n for n in interp.module.graph.nodes if n.op == "placeholder"].index(node)
             return self.chunks[chunk][idx]
         interp.env = {a: self.spill.get(env[a.name][0 if self.const[a.name] else chunk]) for a in node.all_input_nodes}
-        if node.op == "call_module" and len(node.args) == 1 and not node.kwargs and node.args[0] in interp.env:
+        if self.fast_convs and node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
+                and node.args[0] in interp.env:
             out = _staged_conv(interp.module.get_submodule(str(node.target)), interp.env[node.args[0]])
             if out is not None:
                 return out

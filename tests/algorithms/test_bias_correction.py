@@ -272,3 +272,18 @@ def test_saved_and_loaded_model_keeps_its_correction(tmp_path):
     before = {n: p.detach().clone() for n, p in loaded.named_parameters()}
     bias_correction(loaded, data, progress=False)
     assert all(torch.allclose(p, before[n], rtol=0, atol=1e-6) for n, p in loaded.named_parameters())
+
+
+def test_staged_passes_keep_the_modules_convolutions(monkeypatch):
+    """Bias correction's staged passes compute every convolution as the module does (its results bit for bit the
+    same whatever faster routes fast finetune's passes take: _staged_conv is fast finetune's alone)."""
+    from qtorch_onnx.algorithms import fast_finetune, reconstruction
+
+    calls = []
+    real = reconstruction._staged_conv
+    monkeypatch.setattr(reconstruction, "_staged_conv", lambda *a: calls.append(1) or real(*a))
+    qm = _prepared("A8W8")
+    bias_correction(qm, calib_data(16), progress=False)
+    assert calls == []
+    fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=5, progress=False)
+    assert calls
