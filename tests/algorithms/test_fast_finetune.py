@@ -810,6 +810,19 @@ def test_adaquant_step_equals_autograd(config, weight_type, per_channel, symmetr
                 assert torch.equal(got[0].view(torch.int32), getattr(layer.module, "weight").view(torch.int32))
 
 
+def _count_set_grads(monkeypatch, cls):
+    """``{"n": calls}``: the number of ``cls.set_grads`` calls (a written-out step's), counted from now on."""
+    calls = {"n": 0}
+    orig = cls.set_grads
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(cls, "set_grads", counted)
+    return calls
+
+
 @pytest.mark.parametrize("kernels", ["c", "torch"])
 def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
     """BFPAdaQuantStep gives the BFP16 quantizers' own weight and bias bits and autograd's straight-through
@@ -896,14 +909,7 @@ def test_bfp16_adaquant_trains_with_the_written_out_step(monkeypatch):
     quantizers), lowers the loss as autograd's training does, and exports bit-exactly."""
     from qtorch_onnx.algorithms.adaquant import BFPAdaQuantStep
 
-    calls = {"n": 0}
-    orig = BFPAdaQuantStep.set_grads
-
-    def counted(self, *a, **k):
-        calls["n"] += 1
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(BFPAdaQuantStep, "set_grads", counted)
+    calls = _count_set_grads(monkeypatch, BFPAdaQuantStep)
     reps = {}
     for manual in (False, True):
         qm = _prepared("BFP16")
@@ -935,14 +941,7 @@ def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, s
     from qtorch_onnx.algorithms import cpu_steps
 
     cls = getattr(importlib.import_module(f"qtorch_onnx.algorithms.{algorithm}"), step_name)
-    calls = {"n": 0}
-    orig = cls.set_grads
-
-    def counted(self, *a, **k):
-        calls["n"] += 1
-        return orig(self, *a, **k)
-
-    monkeypatch.setattr(cls, "set_grads", counted)
+    calls = _count_set_grads(monkeypatch, cls)
     reps = {}
     modes = ["autograd", "torch"] + (["fused"] if cpu_steps.available() else [])
     for mode in modes:
