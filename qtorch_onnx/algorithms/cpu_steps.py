@@ -1,6 +1,7 @@
 """Fast finetune's CPU loops (``cpu_steps.c``), built on first use: the written-out AdaRound / AdaQuant steps
 (AdaQuant's INT32 bias included), the Gram matrices of depthwise convolutions by sliding sums, and the direct
-layer loss's fused residual pass and depthwise forward / weight-gradient convolutions.
+layer loss's fused residual pass and depthwise forward / weight-gradient convolutions (and the depthwise loss and
+gradients in one pass per plane, ``depthwise_direct``).
 
 On a CPU an iteration of :class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep` is about twenty torch operations
 over the weight, each a pass through memory and a dispatch; the C file does the same arithmetic in one pass over
