@@ -1,8 +1,8 @@
 """AdaQuant's iteration without autograd through the quantizers (Hubara et al. 2021, "Accurate Post Training
 Quantization With Small Calibration Sets", arXiv 2006.10518): the fake-quantized weight (and bias) with their
 straight-through gradients, for fast finetune's loop (:mod:`qtorch_onnx.algorithms.fast_finetune`).
-:class:`AdaQuantStep` covers integer weights (INT32 biases), :class:`BFPAdaQuantStep` BFP ones (BFP16 and the
-other ``to_bfp`` widths and block sizes); :func:`adaquant_step` picks one.
+:class:`AdaQuantStep` covers integer weights (INT32 biases), :class:`BlockAdaQuantStep` the block formats (BFP,
+BFP-prime, OCP MX); :func:`adaquant_step` picks one.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from ..formats import integer as _integer
 from .adaround import _fixed_qparams
 
-__all__ = ["AdaQuantStep", "BFPAdaQuantStep", "adaquant_step"]
+__all__ = ["AdaQuantStep", "BlockAdaQuantStep", "adaquant_step"]
 
 
 class AdaQuantStep:
@@ -174,22 +174,25 @@ class AdaQuantStep:
         self._saved = None
 
 
-class _BFPTensor:
-    """One BFP-quantized tensor of :class:`BFPAdaQuantStep`: its quantizer's block axis and attributes, and how
-    its values are computed (one C call, ``cpu_kernels.bfp_fake_quantize``, or the quantizer's own kernel without
-    autograd)."""
+class _BlockTensor:
+    """One block-format tensor of :class:`BlockAdaQuantStep`: its quantizer's format, block axis and backend, and how
+    its values are computed: one C call for ``to_bfp`` without the bfloat16 conversion on a CPU
+    (``cpu_kernels.bfp_fake_quantize``), else the quantizer's own kernel (torch reference, or Triton on CUDA) without
+    autograd."""
 
     def __init__(self, fq, t: torch.Tensor) -> None:
         from .. import cpu_kernels
-
-        self.t = t
         from ..formats.block import normalize_axis
 
+        self.t = t
         self.axis = normalize_axis(fq._block_axis(t), t.dim())
         self.fmt = fq.fmt
+        self.family = fq.fmt.family.name  # "bfp" or "mx"
         self.backend = fq.backend
-        self.fused = (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                      and cpu_kernels.available())
+        self.fused = (self.family == "bfp" and self.fmt.bfp_method == "to_bfp"
+                      and not self.fmt.convert_to_bfloat_before_bfp and fq.backend == "auto"
+                      and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                      and t.numel() >= 2 and cpu_kernels.available())
         # the C call's mask, kept between calls (a fresh one per call costs its page faults on large weights)
         self._keep = torch.empty_like(t) if self.fused else None
 
@@ -205,32 +208,36 @@ class _BFPTensor:
                                               keep=self._keep)
             return y, self._keep
         from .. import ops as _ops
-        from ..fakequant import _bfp_kwargs
 
-        fn = _ops._kernel("bfp", _ops.resolve_backend(self.backend, x))
-        return fn(x.to(torch.float32), return_mask=True, validate=False, axis=self.axis, **_bfp_kwargs(fmt))
+        fn = _ops._kernel(self.family, _ops.resolve_backend(self.backend, x))
+        if self.family == "bfp":
+            from ..fakequant import _bfp_kwargs
+
+            kw = _bfp_kwargs(fmt)
+        else:
+            kw = dict(element_dtype=fmt.element_dtype, block_size=fmt.block_size, rounding_mode=fmt.rounding_mode)
+        return fn(x.to(torch.float32), return_mask=True, validate=False, axis=self.axis, **kw)
 
 
-class BFPAdaQuantStep:
-    """One layer's AdaQuant quantization and straight-through gradient for BFP weights (and biases), written out.
+class BlockAdaQuantStep:
+    """One layer's AdaQuant quantization and straight-through gradient for block-format weights (and biases),
+    written out: BFP, BFP-prime (MX4 / MX6 / MX9) and the OCP MX formats (MXINT8, MXFP8 / 6 / 4).
 
-    BFP (``to_bfp``: BFP16, and other bit widths, block sizes and rounding modes; docs/numerics.md sections 4 and
-    5): per block of ``block_size`` elements along the quantizer's block axis, the shared exponent is the largest
-    exponent field of its finite elements, every element rounds to ``bit_width - 9`` magnitude bits on that
-    exponent's grid and saturates at ``2^m - 1`` steps::
+    Per block of ``block_size`` elements along the quantizer's block axis, a shared exponent from the block's
+    largest finite element and each element rounded on its grid (docs/numerics.md sections 4-7)::
 
-        wq = bfp(w);  dL/dw = dL/dwq * keep      (keep: 0 where the element was clipped, docs/numerics.md section 8)
+        wq = q(w);  dL/dw = dL/dwq * keep      (keep: 0 where the element saturated, docs/numerics.md section 8)
 
-    The block's exponent follows the weight (nothing is held fixed, as the quantizer does it). On a CPU the values
-    are one C call (``cpu_kernels.bfp_fake_quantize``, the bits of ``formats.bfp.bfp_reference``) and, with fast finetune's
-    Adam, the step is Adam's update of the masked gradient in one more (``cpu_steps.masked_adam``); elsewhere the
-    quantizer's own kernel (torch reference, or Triton on CUDA) without autograd. A trained bias quantized BFP takes
-    the same arithmetic along its one dimension. :meth:`check` compares the values with the quantizers' outputs bit
-    for bit before the first step.
+    The shared exponents follow the weight (nothing is held fixed, as the quantizer does it). BFP (``to_bfp``, BFP16
+    and other widths, no bfloat16 conversion) on a CPU: the values and mask in one C call per tensor
+    (``cpu_kernels.bfp_fake_quantize``, the bits of ``formats.bfp.bfp_reference``) and, with fast finetune's Adam,
+    Adam's update of the masked gradient in one more (``cpu_steps.masked_adam``). The other formats and devices: the
+    quantizer's own kernel (torch reference, or Triton on CUDA) with its mask, no autograd. :meth:`check` compares
+    the values with the quantizers' outputs bit for bit before the first step.
 
     Args:
-        fq_w: the weight's BFP ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).
-        fq_b / bias: the bias's BFP quantizer and parameter when the bias is trained, else None.
+        fq_w: the weight's BFP / MX ``FakeQuantize``. weight: the float weight parameter (its ``.grad`` is set).
+        fq_b / bias: the bias's block-format quantizer and parameter when the bias is trained, else None.
 
     Raises:
         ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
@@ -239,9 +246,9 @@ class BFPAdaQuantStep:
     def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
         why = self.unsupported(fq_w, weight, fq_b, bias)
         if why is not None:
-            raise ValueError(f"BFPAdaQuantStep: {why}")
+            raise ValueError(f"BlockAdaQuantStep: {why}")
         self.weight, self.bias = weight, bias
-        self._tensors = [_BFPTensor(fq_w, weight)] + ([_BFPTensor(fq_b, bias)] if bias is not None else [])
+        self._tensors = [_BlockTensor(fq_w, weight)] + ([_BlockTensor(fq_b, bias)] if bias is not None else [])
         self._saved: Optional[List[torch.Tensor]] = None
 
     @staticmethod
@@ -251,11 +258,10 @@ class BFPAdaQuantStep:
             if t is None:
                 continue
             fmt = getattr(fq, "fmt", None)
-            if fq is None or getattr(fmt, "bfp_method", None) != "to_bfp" or fmt.convert_to_bfloat_before_bfp:
-                return f"{what} format {getattr(fmt, 'name', None)} (the step covers to_bfp without the bfloat16 " \
-                       "conversion)"
-            if fq.rounding is not None or t.numel() < 2 or t.dtype != torch.float32:
-                return f"{what}: a rounding hook, fewer than two elements, or not float32"
+            if fq is None or getattr(getattr(fmt, "family", None), "name", None) not in ("bfp", "mx"):
+                return f"{what} format {getattr(fmt, 'name', None)} (the step covers the block formats: BFP, MX)"
+            if fq.rounding is not None or t.dtype != torch.float32:
+                return f"{what}: a rounding hook, or not float32"
         return None
 
     @torch.no_grad()
@@ -283,7 +289,7 @@ class BFPAdaQuantStep:
         ``fused_moments`` (fast finetune's Adam), Adam's step is taken here in one call per tensor and its
         ``.grad`` stays None."""
         if self._saved is None:
-            raise RuntimeError("BFPAdaQuantStep.set_grads before values()")
+            raise RuntimeError("BlockAdaQuantStep.set_grads before values()")
         moments = getattr(optimizer, "fused_moments", None)
         for bt, keep, g in zip(self._tensors, self._saved, grads):
             p = bt.t
@@ -300,10 +306,10 @@ class BFPAdaQuantStep:
 
 def adaquant_step(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None):
     """``(step, None)``: the written-out AdaQuant step for this layer's formats (:class:`AdaQuantStep` for integer
-    weights, :class:`BFPAdaQuantStep` for BFP ones), or ``(None, reason)`` when neither covers it (fast finetune
-    then trains the layer through autograd)."""
-    if getattr(getattr(fq_w, "fmt", None), "bfp_method", None) is not None:
-        why = BFPAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
-        return (None, why) if why is not None else (BFPAdaQuantStep(fq_w, weight, fq_b, bias), None)
+    weights, :class:`BlockAdaQuantStep` for BFP / MX ones), or ``(None, reason)`` when neither covers it (fast
+    finetune then trains the layer through autograd: FP16 / BF16 weights, a BFP weight with an integer bias)."""
+    if getattr(getattr(getattr(fq_w, "fmt", None), "family", None), "name", None) in ("bfp", "mx"):
+        why = BlockAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
+        return (None, why) if why is not None else (BlockAdaQuantStep(fq_w, weight, fq_b, bias), None)
     why = AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
     return (None, why) if why is not None else (AdaQuantStep(fq_w, weight, fq_b, bias), None)

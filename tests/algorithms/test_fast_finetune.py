@@ -825,11 +825,11 @@ def _count_set_grads(monkeypatch, cls):
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
 def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
-    """BFPAdaQuantStep gives the BFP16 quantizers' own weight and bias bits and autograd's straight-through
+    """BlockAdaQuantStep gives the BFP16 quantizers' own weight and bias bits and autograd's straight-through
     gradients (clipped elements: 0), with the C values and with the quantizer's torch kernel; with fast finetune's
     Adam the C step updates the weight as torch's Adam does (its arithmetic: equal to float rounding)."""
     from qtorch_onnx import cpu_kernels
-    from qtorch_onnx.algorithms.adaquant import BFPAdaQuantStep, adaquant_step
+    from qtorch_onnx.algorithms.adaquant import BlockAdaQuantStep, adaquant_step
     from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
 
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1" if kernels == "c" else "0")
@@ -839,7 +839,7 @@ def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
     for layer in qm.layers():
         fq_w, fq_b, w, b = layer.weight_quantizer, layer.bias_quantizer, layer.weight, layer.bias
         step, why = adaquant_step(fq_w, w, fq_b, b)
-        assert isinstance(step, BFPAdaQuantStep), why
+        assert isinstance(step, BlockAdaQuantStep), why
         assert all(t.fused == (kernels == "c") for t in step._tensors)
         with torch.no_grad():  # a block maximum that rounds up past 2^m - 1 steps: clipped, no gradient
             w.view(-1)[0] = 1.999 * 2.0 ** torch.frexp(w.abs().max())[1].item()
@@ -882,20 +882,60 @@ def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
         b.requires_grad_(False)
 
 
-def test_bfp_adaquant_step_refuses_what_it_does_not_cover():
-    """BFP-prime (MX9), the bfloat16 conversion and other families are not the BFP step's: adaquant_step says why
-    (fast finetune then trains those layers through autograd) or hands integer weights to AdaQuantStep."""
-    from qtorch_onnx.algorithms.adaquant import AdaQuantStep, BFPAdaQuantStep, adaquant_step
+@pytest.mark.parametrize("config", ["MX9", "MXINT8", "MXFP4E2M1", "MX6"])
+def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
+    """BFP-prime (MX4/6/9) and OCP MX weights take the block step through their quantizer's own kernel (no C
+    values): the quantizers' bits, autograd's straight-through gradients (saturated elements: 0)."""
+    from qtorch_onnx.algorithms.adaquant import BlockAdaQuantStep, adaquant_step
+
+    qm = _prepared(config)
+    gen = torch.Generator().manual_seed(6)
+    for layer in qm.layers():
+        fq_w, w = layer.weight_quantizer, layer.weight
+        fq_b = layer.bias_quantizer if layer.bias is not None and layer.bias_quantizer is not None else None
+        b = layer.bias if fq_b is not None else None
+        step, why = adaquant_step(fq_w, w, fq_b, b)
+        assert isinstance(step, BlockAdaQuantStep), why
+        assert not any(t.fused for t in step._tensors)
+        up = [torch.randn(t.shape, generator=gen) for t in ([w] + ([b] if b is not None else []))]
+        params = [w] + ([b] if b is not None else [])
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        quantized = [layer.module.weight] + ([layer.module.bias] if b is not None else [])
+        sum((q * u).sum() for q, u in zip(quantized, up)).backward()
+        refs = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        assert step.check([q.detach() for q in quantized])
+        vals = step.values()
+        for v, q in zip(vals, quantized):
+            assert torch.equal(v.view(torch.int32), q.detach().view(torch.int32))
+        step.set_grads([u.clone() for u in up])
+        for p, r in zip(params, refs):
+            assert torch.equal(p.grad, r)
+            p.requires_grad_(False)
+
+
+def test_block_adaquant_step_refuses_what_it_does_not_cover():
+    """BF16 / FP16 weights, a block-format weight with an integer bias quantizer: adaquant_step says why (fast
+    finetune then trains those layers through autograd), and hands integer weights to AdaQuantStep; the C values
+    are BFP's to_bfp alone (BFP-prime, the bfloat16 conversion: the quantizer's kernel)."""
+    from qtorch_onnx.algorithms.adaquant import AdaQuantStep, BlockAdaQuantStep, adaquant_step
     from qtorch_onnx.fakequant import FakeQuantize
-    from qtorch_onnx.formats.spec import BFPFormat
+    from qtorch_onnx.formats.spec import BFPFormat, INT32
 
     w = torch.randn(8, 16)
     for fmt in (BFPFormat("to_bfp_prime", 16, 16), BFPFormat(convert_to_bfloat_before_bfp=1)):
         step, why = adaquant_step(FakeQuantize(fmt, tensor_name="w", axis=1), w)
-        assert step is None and "to_bfp" in why
-        with pytest.raises(ValueError, match="BFPAdaQuantStep"):
-            BFPAdaQuantStep(FakeQuantize(fmt, tensor_name="w", axis=1), w)
-    qm = _prepared("MX9")
+        assert isinstance(step, BlockAdaQuantStep) and not step._tensors[0].fused, why
+    step, why = adaquant_step(FakeQuantize(BFPFormat(), tensor_name="w", axis=1), w,
+                              FakeQuantize(INT32, tensor_name="b", role="bias"), torch.randn(8))
+    assert step is None and "block formats" in why
+    with pytest.raises(ValueError, match="BlockAdaQuantStep"):
+        BlockAdaQuantStep(FakeQuantize(BFPFormat(), tensor_name="w", axis=1), w,
+                          FakeQuantize(INT32, tensor_name="b", role="bias"), torch.randn(8))
+    qm = _prepared("BF16")
     layer = qm.layers()[0]
     assert adaquant_step(layer.weight_quantizer, layer.weight)[0] is None
     qm = _prepared("A8W8")
@@ -907,9 +947,9 @@ def test_bfp_adaquant_step_refuses_what_it_does_not_cover():
 def test_bfp16_adaquant_trains_with_the_written_out_step(monkeypatch):
     """fast_finetune's AdaQuant on BFP16 takes the written-out step on every layer (no autograd through the
     quantizers), lowers the loss as autograd's training does, and exports bit-exactly."""
-    from qtorch_onnx.algorithms.adaquant import BFPAdaQuantStep
+    from qtorch_onnx.algorithms.adaquant import BlockAdaQuantStep
 
-    calls = _count_set_grads(monkeypatch, BFPAdaQuantStep)
+    calls = _count_set_grads(monkeypatch, BlockAdaQuantStep)
     reps = {}
     for manual in (False, True):
         qm = _prepared("BFP16")
