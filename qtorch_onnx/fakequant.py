@@ -589,7 +589,8 @@ class FakeQuantize(nn.Module):
         from . import ops as _ops
 
         fmt = self.fmt
-        if (self.backend == "auto" and fmt.bfp_method == "to_bfp" and not fmt.convert_to_bfloat_before_bfp
+        if (self.backend == "auto" and not fmt.convert_to_bfloat_before_bfp
+                and (fmt.bfp_method == "to_bfp" or fmt.block_size <= _cpu_kernels.PRIME_MAX_BLOCK)
                 and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= 2 and x.is_contiguous()
                 and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
                 and not (torch.is_grad_enabled() and x.requires_grad) and _cpu_kernels.available()):
@@ -597,8 +598,11 @@ class FakeQuantize(nn.Module):
             # thirty torch operations
             from .formats.block import normalize_axis
 
-            return _cpu_kernels.bfp_fake_quantize(x, normalize_axis(self._block_axis(x), x.dim()), fmt.block_size,
-                                                  fmt.bit_width, fmt.rounding_mode)
+            axis = normalize_axis(self._block_axis(x), x.dim())
+            if fmt.bfp_method == "to_bfp":
+                return _cpu_kernels.bfp_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode)
+            return _cpu_kernels.bfp_prime_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode,
+                                                        fmt.sub_block_size, fmt.sub_block_shift_bits)
         return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend, **_bfp_kwargs(fmt))
 
     def _qdq_mx(self, x: torch.Tensor) -> torch.Tensor:

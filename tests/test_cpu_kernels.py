@@ -210,7 +210,7 @@ def test_bfp_bad_input_is_refused():
 
 def test_bfp_quantizer_uses_it_in_evaluation_only(monkeypatch):
     """A BFP16 quantizer on a CPU gives the reference's bits through the kernel without gradient; with a gradient
-    wanted, with backend="reference", or for BFP-prime (MX9), the torch path runs."""
+    wanted, with backend="reference", or with the bfloat16 conversion, the torch path runs."""
     from qtorch_onnx.formats.bfp import bfp_reference
     from qtorch_onnx.formats.spec import BFPFormat
 
@@ -231,14 +231,80 @@ def test_bfp_quantizer_uses_it_in_evaluation_only(monkeypatch):
     fq.backend = "reference"
     with torch.no_grad():
         assert torch.equal(_bits(fq(x)), _bits(ref))
-    prime = FakeQuantize(BFPFormat("to_bfp_prime", 16, 16), tensor_name="act", axis=1)
-    prime.fake_quant_enabled = True
+    converted = FakeQuantize(BFPFormat(convert_to_bfloat_before_bfp=1), tensor_name="act", axis=1)
+    converted.fake_quant_enabled = True
     with torch.no_grad():
-        prime(x)
-    assert calls == [1]
+        converted(x)
+    assert calls == [1]  # the bfloat16 conversion: the torch reference
     fq.backend = "auto"
     fq.axis = 4
     from qtorch_onnx.errors import ConfigError
 
     with pytest.raises(ConfigError, match="axis"), torch.no_grad():
         fq(x)  # an axis out of range is the reference's error, not a wrapped-around axis
+
+
+# ---------------------------------------------------------------------------------------------- BFP-prime
+def _check_prime(x, axis, block, bits, mode, sub, shift):
+    from qtorch_onnx.formats.bfp import bfp_reference
+
+    ref, ref_keep = bfp_reference(x, bfp_method="to_bfp_prime", axis=axis, bit_width=bits, block_size=block,
+                                  rounding_mode=mode, sub_block_size=sub, sub_block_shift_bits=shift,
+                                  return_mask=True)
+    keep = torch.full_like(x, 7.0)
+    ax = axis % max(x.dim(), 1)
+    got = cpu_kernels.bfp_prime_fake_quantize(x.contiguous(), ax, block, bits, mode, sub, shift, keep=keep)
+    assert torch.equal(_bits(got), _bits(ref)), (tuple(x.shape), axis, block, bits, mode, sub, shift)
+    assert torch.equal(keep, ref_keep.to(torch.float32)), (tuple(x.shape), axis, block, bits, mode, sub, shift)
+    assert torch.equal(_bits(cpu_kernels.bfp_prime_fake_quantize(x.contiguous(), ax, block, bits, mode, sub, shift)),
+                       _bits(ref))
+
+
+@pytest.mark.parametrize("shape,axis", [((64, 48, 1, 1), 1), ((16, 3, 3, 3), 1), ((24, 1, 5, 5), 1), ((4, 1280), 1),
+                                        ((37,), 0), ((5, 13, 7), 1), ((3, 32, 5), -1), ((2, 40, 9, 11), 1)])
+@pytest.mark.parametrize("bits,block,sub,shift,mode", [(11, 16, 2, 1, 2), (13, 16, 2, 1, 2), (16, 16, 2, 1, 2),
+                                                       (16, 16, 2, 1, 0), (16, 16, 2, 1, 1), (12, 8, 4, 2, 0),
+                                                       (10, 4, 1, 3, 1), (24, 32, 8, 8, 2), (32, 16, 2, 1, 2)])
+def test_bfp_prime_equals_reference_on_layouts_and_specials(shape, axis, bits, block, sub, shift, mode):
+    """MX4 / MX6 / MX9 and other BFP-prime widths, sub-blocks and shift widths, every rounding mode, partial blocks
+    and strided block axes; values from subnormals (which flush) to 2^30, signed zeros, and blocks that +-Inf or NaN
+    turn to NaN."""
+    _check_prime(_wide_range(shape, seed=sum(shape) + bits + block + mode + shift), axis, block, bits, mode, sub,
+                 shift)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=2, max_size=240),
+       st.sampled_from([(16, 2), (8, 4), (4, 1), (6, 3), (32, 8)]), st.integers(10, 32), st.sampled_from([0, 1, 2]),
+       st.integers(1, 8), st.integers(1, 4), st.booleans())
+def test_bfp_prime_equals_reference_property(values, blocks, bits, mode, shift, rows, axis0):
+    x = torch.tensor(values, dtype=torch.float32)
+    if x.numel() % rows == 0 and rows > 1:
+        x = x.reshape(rows, -1)
+    _check_prime(x, 0 if axis0 else x.dim() - 1, blocks[0], bits, mode, blocks[1], shift)
+
+
+def test_bfp_prime_quantizer_and_bad_input(monkeypatch):
+    """An MX9 quantizer on a CPU takes the prime kernel in evaluation (the reference's bits); a block past
+    PRIME_MAX_BLOCK is refused by the kernel, and such a quantizer keeps the torch reference."""
+    from qtorch_onnx.formats.bfp import bfp_reference
+    from qtorch_onnx.formats.spec import BFPFormat
+
+    x = _wide_range((4, 32, 9, 9), seed=7)
+    calls = []
+    real = cpu_kernels.bfp_prime_fake_quantize
+    monkeypatch.setattr(cpu_kernels, "bfp_prime_fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fq = FakeQuantize(BFPFormat("to_bfp_prime", 16, 16), tensor_name="act", axis=1)
+    fq.fake_quant_enabled = True
+    with torch.no_grad():
+        y = fq(x)
+    assert calls == [1]
+    assert torch.equal(_bits(y), _bits(bfp_reference(x, bfp_method="to_bfp_prime", axis=1, bit_width=16,
+                                                     block_size=16, rounding_mode=2)))
+    big = FakeQuantize(BFPFormat("to_bfp_prime", 16, 2 * cpu_kernels.PRIME_MAX_BLOCK), tensor_name="act", axis=0)
+    big.fake_quant_enabled = True
+    with torch.no_grad():
+        big(torch.randn(3 * cpu_kernels.PRIME_MAX_BLOCK))
+    assert calls == [1]
+    with pytest.raises(ValueError, match="block_size"):
+        real(torch.randn(4, 4096), 1, 2048, 16, 2, 2, 1)

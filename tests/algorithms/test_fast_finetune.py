@@ -884,8 +884,8 @@ def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
 
 @pytest.mark.parametrize("config", ["MX9", "MXINT8", "MXFP4E2M1", "MX6"])
 def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
-    """BFP-prime (MX4/6/9) and OCP MX weights take the block step through their quantizer's own kernel (no C
-    values): the quantizers' bits, autograd's straight-through gradients (saturated elements: 0)."""
+    """BFP-prime (MX4/6/9, by the C call) and OCP MX weights (by their quantizer's own kernel) take the block step:
+    the quantizers' bits, autograd's straight-through gradients (saturated elements: 0)."""
     from qtorch_onnx.algorithms.adaquant import BlockAdaQuantStep, adaquant_step
 
     qm = _prepared(config)
@@ -896,7 +896,8 @@ def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
         b = layer.bias if fq_b is not None else None
         step, why = adaquant_step(fq_w, w, fq_b, b)
         assert isinstance(step, BlockAdaQuantStep), why
-        assert not any(t.fused for t in step._tensors)
+        prime = config in ("MX4", "MX6", "MX9")  # BFP-prime by the C call, OCP MX by the quantizer's kernel
+        assert all(t.fused == prime for t in step._tensors)
         up = [torch.randn(t.shape, generator=gen) for t in ([w] + ([b] if b is not None else []))]
         params = [w] + ([b] if b is not None else [])
         for p in params:
@@ -920,15 +921,17 @@ def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
 def test_block_adaquant_step_refuses_what_it_does_not_cover():
     """BF16 / FP16 weights, a block-format weight with an integer bias quantizer: adaquant_step says why (fast
     finetune then trains those layers through autograd), and hands integer weights to AdaQuantStep; the C values
-    are BFP's to_bfp alone (BFP-prime, the bfloat16 conversion: the quantizer's kernel)."""
+    are BFP's and BFP-prime's (the bfloat16 conversion, a prime block past PRIME_MAX_BLOCK: the quantizer's
+    kernel)."""
     from qtorch_onnx.algorithms.adaquant import AdaQuantStep, BlockAdaQuantStep, adaquant_step
     from qtorch_onnx.fakequant import FakeQuantize
     from qtorch_onnx.formats.spec import BFPFormat, INT32
 
     w = torch.randn(8, 16)
-    for fmt in (BFPFormat("to_bfp_prime", 16, 16), BFPFormat(convert_to_bfloat_before_bfp=1)):
+    for fmt, fused in ((BFPFormat("to_bfp_prime", 16, 16), True), (BFPFormat(convert_to_bfloat_before_bfp=1), False),
+                       (BFPFormat("to_bfp_prime", 16, 2048), False)):
         step, why = adaquant_step(FakeQuantize(fmt, tensor_name="w", axis=1), w)
-        assert isinstance(step, BlockAdaQuantStep) and not step._tensors[0].fused, why
+        assert isinstance(step, BlockAdaQuantStep) and step._tensors[0].fused == fused, (fmt, why)
     step, why = adaquant_step(FakeQuantize(BFPFormat(), tensor_name="w", axis=1), w,
                               FakeQuantize(INT32, tensor_name="b", role="bias"), torch.randn(8))
     assert step is None and "block formats" in why
