@@ -34,8 +34,8 @@ import torch
 from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
-           "adaquant_adam", "depthwise_gram", "act_residual",
-           "depthwise_forward", "depthwise_wgrad", "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
+           "adaquant_adam", "depthwise_gram", "act_residual", "depthwise_forward", "depthwise_wgrad",
+           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"

@@ -258,9 +258,9 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             (:class:`~qtorch_onnx.algorithms.adaround.AdaRoundStep`: soft rounding and regulariser, about 20
             elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
             biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator) or
-            on block-format weights and biases, BFP and MX (:class:`~qtorch_onnx.algorithms.adaquant.BlockAdaQuantStep`). A
-            single Conv1d / Conv2d / Linear layer without Gram matrices, on its own output or through a ReLU /
-            baked Clip, then runs without autograd too
+            on block-format weights and biases, BFP and MX
+            (:class:`~qtorch_onnx.algorithms.adaquant.BlockAdaQuantStep`). A single Conv1d / Conv2d / Linear layer
+            without Gram matrices, on its own output or through a ReLU / baked Clip, then runs without autograd too
             (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`: its forward and weight-gradient
             convolutions, the residual, loss and activation mask in one pass; kept only if it gives autograd's
             loss and gradient on the first sample); other layers (blocks, QDrop, OutputQDQ, other
@@ -474,7 +474,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     or AdaQuant (the weights, optionally biases) of ``layers`` against ``fn(inputs)`` vs ``ld.target``, Adam,
     EarlyStop, SelectiveUpdate; the layers are restored on divergence. ``quad_for(batch)``: a single layer's
     :class:`QuadraticLayerLoss` (or None) and its note. ``manual_gradient``: the written-out steps
-    (:class:`AdaRoundStep` / :class:`AdaQuantStep` / :class:`BlockAdaQuantStep`) where every layer allows them (:func:`_manual_steps`).
+    (:class:`AdaRoundStep` / :class:`AdaQuantStep` / :class:`BlockAdaQuantStep`) where every layer allows them
+    (:func:`_manual_steps`).
     ``direct_for()``: without Gram matrices, a single layer's :class:`DirectLayerLoss` (or None) and its note,
     used with the steps when its gradient agrees with autograd's (its losses before / after then too). Fills and
     returns ``rec``."""
@@ -731,9 +732,9 @@ def _param_quantizer(module, param, fq):
 def _manual_steps(layers, hooks, s: FastFinetuneSettings):
     """Per layer, its written-out step (:class:`AdaRoundStep` with ``hooks``, else :func:`adaquant_step`'s
     :class:`AdaQuantStep` / :class:`BlockAdaQuantStep`) and the ``ParamQuantizer`` of each tensor the step
-    quantizes (the forward path overrides them with the step's values), or None when any layer cannot take one: a tensor quantized outside its module's parametrization,
-    a case the step's ``unsupported`` names, or a step value that differs from the quantizer's own (the same
-    function: checked on the values)."""
+    quantizes (the forward path overrides them with the step's values), or None when any layer cannot take one: a
+    tensor quantized outside its module's parametrization, a case the step's ``unsupported`` names, or a step value
+    that differs from the quantizer's own (the same function: checked on the values)."""
     out = []
     for i, layer in enumerate(layers):
         module = layer.module
