@@ -32,7 +32,7 @@ __all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", 
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 4
+_VERSION = 5
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
