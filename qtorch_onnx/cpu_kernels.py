@@ -10,7 +10,8 @@ bits: the in-place torch path makes seven passes over the tensor (division, roun
 zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures both). ``qt_bfp_values`` is
 :func:`qtorch_onnx.formats.bfp.bfp_reference` for ``to_bfp`` (BFP16 and other widths) without the bfloat16
 conversion, with its straight-through mask on request: the torch reference is about thirty operations, each a
-pass (``benchmarks/bfp_cpu.py``); ``qt_bfp_prime_values`` the same for ``to_bfp_prime`` (MX4 / MX6 / MX9).
+pass (``benchmarks/bfp_cpu.py``); ``qt_bfp_prime_values`` the same for ``to_bfp_prime`` (MX4 / MX6 / MX9), and
+``qt_mx_values`` :func:`qtorch_onnx.formats.mx.mx_reference` (MXINT8, MXFP8 / 6 / 4).
 
 Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
 failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
@@ -28,11 +29,11 @@ import torch
 from . import native
 
 __all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "bfp_prime_fake_quantize",
-           "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
+           "mx_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 5
+_VERSION = 6
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
@@ -51,6 +52,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_bfp_values.restype = None
     lib.qt_bfp_prime_values.argtypes = [i64] * 9 + [ptr] * 3
     lib.qt_bfp_prime_values.restype = None
+    lib.qt_mx_values.argtypes = [i64] * 9 + [f32, i64] + [ptr] * 3
+    lib.qt_mx_values.restype = None
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -161,4 +164,29 @@ def bfp_prime_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_wid
     _run_rows(x, outer, lib.qt_bfp_prime_values,
               lambda i, a, b: (a, b, n, inner, int(block_size), int(sub_block_size), int(bit_width) - 9,
                                int(sub_block_shift_bits), int(rounding_mode), x.data_ptr(), y.data_ptr(), kp))
+    return y
+
+
+def mx_fake_quantize(x: torch.Tensor, axis: int, element_dtype: str, block_size: int, rounding_mode: int,
+                     keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """OCP MX quantize-dequantize (MXINT8, MXFP8 E4M3 / E5M2, MXFP6 E3M2 / E2M3, MXFP4; docs/numerics.md sections 4
+    and 7) of ``x`` along ``axis`` in blocks of ``block_size``, bit for bit
+    :func:`qtorch_onnx.formats.mx.mx_reference`'s result (a new float32 tensor of ``x``'s shape), its
+    straight-through mask into ``keep`` when given (1.0 where the element did not saturate, or is Inf / NaN), as
+    :func:`bfp_fake_quantize`. ``rounding_mode``: int8 elements only (values other than 0 / 1 / 2 behave as 0).
+
+    Raises:
+        ValueError: as :func:`bfp_fake_quantize`, or an unknown ``element_dtype``.
+    """
+    from .formats.mx import MX_ELEMENTS
+
+    if element_dtype not in MX_ELEMENTS:
+        raise ValueError(f"mx_fake_quantize: element_dtype {element_dtype!r}; valid: {', '.join(MX_ELEMENTS)}")
+    el = MX_ELEMENTS[element_dtype]
+    lib, outer, n, inner = _block_layout(x, axis, "mx_fake_quantize")
+    y = torch.empty_like(x)
+    kp = None if keep is None else keep.data_ptr()
+    _run_rows(x, outer, lib.qt_mx_values,
+              lambda i, a, b: (a, b, n, inner, int(block_size), int(el.is_int), el.mbits, el.bias, el.emax,
+                               float(el.max_norm), int(rounding_mode), x.data_ptr(), y.data_ptr(), kp))
     return y

@@ -610,6 +610,14 @@ class FakeQuantize(nn.Module):
         from . import ops as _ops
 
         fmt = self.fmt
+        if (self.backend == "auto" and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= 2
+                and x.is_contiguous() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and x.requires_grad) and _cpu_kernels.available()):
+            # evaluation on a CPU: the torch reference's bits in one C call (cpu_kernels.c)
+            from .formats.block import normalize_axis
+
+            return _cpu_kernels.mx_fake_quantize(x, normalize_axis(self._block_axis(x), x.dim()), fmt.element_dtype,
+                                                 fmt.block_size, fmt.rounding_mode)
         return _ops.mx_quantize_dequantize(x, element_dtype=fmt.element_dtype, axis=self._block_axis(x),
                                            block_size=fmt.block_size, rounding_mode=fmt.rounding_mode,
                                            backend=self.backend)

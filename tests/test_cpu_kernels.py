@@ -308,3 +308,64 @@ def test_bfp_prime_quantizer_and_bad_input(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="block_size"):
         real(torch.randn(4, 4096), 1, 2048, 16, 2, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------- OCP MX
+def _check_mx(x, axis, element, block, mode):
+    from qtorch_onnx.formats.mx import mx_reference
+
+    ref, ref_keep = mx_reference(x, element_dtype=element, axis=axis, block_size=block, rounding_mode=mode,
+                                 return_mask=True)
+    keep = torch.full_like(x, 7.0)
+    ax = axis % max(x.dim(), 1)
+    got = cpu_kernels.mx_fake_quantize(x.contiguous(), ax, element, block, mode, keep=keep)
+    assert torch.equal(_bits(got), _bits(ref)), (tuple(x.shape), axis, element, block, mode)
+    assert torch.equal(keep, ref_keep.to(torch.float32)), (tuple(x.shape), axis, element, block, mode)
+    assert torch.equal(_bits(cpu_kernels.mx_fake_quantize(x.contiguous(), ax, element, block, mode)), _bits(ref))
+
+
+MX_NAMES = ["int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1"]
+
+
+@pytest.mark.parametrize("shape,axis", [((64, 48, 1, 1), 1), ((16, 3, 3, 3), 1), ((4, 1280), 1), ((37,), 0),
+                                        ((5, 13, 7), 1), ((3, 32, 5), -1), ((2, 40, 9, 11), 1)])
+@pytest.mark.parametrize("element", MX_NAMES)
+@pytest.mark.parametrize("block,mode", [(32, 0), (32, 2), (16, 1), (8, 5), (3, 2)])
+def test_mx_equals_reference_on_layouts_and_specials(shape, axis, element, block, mode):
+    """Every MX element type, whole and partial blocks, contiguous and strided block axes, int8's rounding modes (5
+    behaves as 0); values from subnormals to 2^30 with signed zeros, +-Inf and NaN (which pass through)."""
+    _check_mx(_wide_range(shape, seed=sum(shape) + block + mode + MX_NAMES.index(element)), axis, element, block,
+              mode)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=2, max_size=240),
+       st.sampled_from(MX_NAMES), st.integers(1, 40), st.integers(0, 3), st.integers(1, 4), st.booleans())
+def test_mx_equals_reference_property(values, element, block, mode, rows, axis0):
+    x = torch.tensor(values, dtype=torch.float32)
+    if x.numel() % rows == 0 and rows > 1:
+        x = x.reshape(rows, -1)
+    _check_mx(x, 0 if axis0 else x.dim() - 1, element, block, mode)
+
+
+def test_mx_quantizer_uses_it_in_evaluation_only(monkeypatch):
+    """An MXFP4 quantizer on a CPU takes the kernel without gradient (the reference's bits), the straight-through
+    path with a gradient wanted; an unknown element type is refused by the kernel."""
+    from qtorch_onnx.formats.mx import mx_reference
+    from qtorch_onnx.formats.spec import MXFormat
+
+    x = _wide_range((4, 64, 6, 6), seed=9)
+    x[~torch.isfinite(x)] = 2.0
+    calls = []
+    real = cpu_kernels.mx_fake_quantize
+    monkeypatch.setattr(cpu_kernels, "mx_fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fq = FakeQuantize(MXFormat("fp4_e2m1", 32, 2), tensor_name="act", axis=1)
+    fq.fake_quant_enabled = True
+    ref = mx_reference(x, element_dtype="fp4_e2m1", axis=1, block_size=32, rounding_mode=2)
+    with torch.no_grad():
+        assert torch.equal(_bits(fq(x)), _bits(ref))
+    assert calls == [1]
+    xr = x.clone().requires_grad_()
+    assert torch.equal(_bits(fq(xr).detach()), _bits(ref)) and calls == [1]
+    with pytest.raises(ValueError, match="element_dtype"):
+        real(x, 1, "fp3", 32, 2)

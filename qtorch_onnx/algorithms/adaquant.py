@@ -176,9 +176,9 @@ class AdaQuantStep:
 
 class _BlockTensor:
     """One block-format tensor of :class:`BlockAdaQuantStep`: its quantizer's format, block axis and backend, and how
-    its values are computed: one C call for BFP and BFP-prime without the bfloat16 conversion on a CPU
-    (``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize``), else the quantizer's own kernel (torch
-    reference, or Triton on CUDA) without autograd."""
+    its values are computed: one C call on a CPU (``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` /
+    ``mx_fake_quantize``; not for the bfloat16 conversion or a prime block past ``PRIME_MAX_BLOCK``), else the
+    quantizer's own kernel (torch reference, or Triton on CUDA) without autograd."""
 
     def __init__(self, fq, t: torch.Tensor) -> None:
         from .. import cpu_kernels
@@ -189,10 +189,10 @@ class _BlockTensor:
         self.fmt = fq.fmt
         self.family = fq.fmt.family.name  # "bfp" or "mx"
         self.backend = fq.backend
-        self.fused = (self.family == "bfp" and not self.fmt.convert_to_bfloat_before_bfp and fq.backend == "auto"
-                      and (self.fmt.bfp_method == "to_bfp" or self.fmt.block_size <= cpu_kernels.PRIME_MAX_BLOCK)
-                      and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                      and t.numel() >= 2 and cpu_kernels.available())
+        covered = self.family == "mx" or (not self.fmt.convert_to_bfloat_before_bfp and (
+            self.fmt.bfp_method == "to_bfp" or self.fmt.block_size <= cpu_kernels.PRIME_MAX_BLOCK))
+        self.fused = (covered and fq.backend == "auto" and t.device.type == "cpu" and t.dtype == torch.float32
+                      and t.is_contiguous() and t.numel() >= 2 and cpu_kernels.available())
         # the C call's mask, kept between calls (a fresh one per call costs its page faults on large weights)
         self._keep = torch.empty_like(t) if self.fused else None
 
@@ -204,7 +204,10 @@ class _BlockTensor:
         if self.fused:
             from .. import cpu_kernels
 
-            if fmt.bfp_method == "to_bfp":
+            if self.family == "mx":
+                y = cpu_kernels.mx_fake_quantize(x, self.axis, fmt.element_dtype, fmt.block_size, fmt.rounding_mode,
+                                                 keep=self._keep)
+            elif fmt.bfp_method == "to_bfp":
                 y = cpu_kernels.bfp_fake_quantize(x, self.axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode,
                                                   keep=self._keep)
             else:
@@ -233,12 +236,12 @@ class BlockAdaQuantStep:
 
         wq = q(w);  dL/dw = dL/dwq * keep      (keep: 0 where the element saturated, docs/numerics.md section 8)
 
-    The shared exponents follow the weight (nothing is held fixed, as the quantizer does it). BFP and BFP-prime
-    (BFP16, MX4 / MX6 / MX9 and other widths; no bfloat16 conversion) on a CPU: the values and mask in one C call
-    per tensor (``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize``, the bits of
-    ``formats.bfp.bfp_reference``) and, with fast finetune's Adam, Adam's update of the masked gradient in one more
-    (``cpu_steps.masked_adam``). OCP MX and other devices: the quantizer's own kernel (torch reference, or Triton on
-    CUDA) with its mask, no autograd. :meth:`check` compares
+    The shared exponents follow the weight (nothing is held fixed, as the quantizer does it). On a CPU the values
+    and mask in one C call per tensor (``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` /
+    ``mx_fake_quantize``, the bits of ``formats.bfp.bfp_reference`` / ``formats.mx.mx_reference``) and, with fast
+    finetune's Adam, Adam's update of the masked gradient in one more (``cpu_steps.masked_adam``); the bfloat16
+    conversion and other devices: the quantizer's own kernel (torch reference, or Triton on CUDA) with its mask, no
+    autograd. :meth:`check` compares
     the values with the quantizers' outputs bit for bit before the first step.
 
     Args:
