@@ -88,23 +88,24 @@ static inline __attribute__((always_inline)) void bfp_apply(int64_t len, const f
     }
 }
 
+/* bfp_apply with the mask's presence a constant too (one copy per rounding mode and mask choice) */
+static inline __attribute__((always_inline)) void bfp_apply_mode(int64_t len, const float *restrict x,
+                                                                 const uint32_t *restrict s, int32_t m, int mode,
+                                                                 float *restrict y, float *restrict keep) {
+    if (keep != NULL)
+        bfp_apply(len, x, s, m, mode, y, keep, 1);
+    else
+        bfp_apply(len, x, s, m, mode, y, keep, 0);
+}
+
 __attribute__((noinline)) static void bfp_apply_any(int64_t len, const float *restrict x, const uint32_t *restrict s,
                                                     int32_t m, int mode, float *restrict y, float *restrict keep) {
-    if (keep != NULL) {
-        if (mode == 2)
-            bfp_apply(len, x, s, m, 2, y, keep, 1);
-        else if (mode == 1)
-            bfp_apply(len, x, s, m, 1, y, keep, 1);
-        else
-            bfp_apply(len, x, s, m, 0, y, keep, 1);
-    } else {
-        if (mode == 2)
-            bfp_apply(len, x, s, m, 2, y, keep, 0);
-        else if (mode == 1)
-            bfp_apply(len, x, s, m, 1, y, keep, 0);
-        else
-            bfp_apply(len, x, s, m, 0, y, keep, 0);
-    }
+    if (mode == 2)
+        bfp_apply_mode(len, x, s, m, 2, y, keep);
+    else if (mode == 1)
+        bfp_apply_mode(len, x, s, m, 1, y, keep);
+    else
+        bfp_apply_mode(len, x, s, m, 0, y, keep);
 }
 
 /* whole contiguous blocks (inner 1): every element's shared exponent field */
@@ -257,28 +258,27 @@ static inline __attribute__((always_inline)) void mx_apply(int64_t len, const fl
     }
 }
 
+/* mx_apply with the element kind, the rounding mode (int8 only) and the mask's presence constants in each copy (the
+ * loops vectorize) */
+static inline __attribute__((always_inline)) void mx_apply_kind(int64_t len, const float *x, const uint32_t *s,
+                                                                const mx_params *p, int is_int, int mode, float *y,
+                                                                float *keep) {
+    if (keep != NULL)
+        mx_apply(len, x, s, is_int, p->mbits, p->bias, p->emax, p->max_norm, mode, y, keep, 1);
+    else
+        mx_apply(len, x, s, is_int, p->mbits, p->bias, p->emax, p->max_norm, mode, y, keep, 0);
+}
+
 static void mx_rule(int64_t len, const float *x, const uint32_t *s, const void *params, float *y, float *keep) {
     const mx_params *p = (const mx_params *)params;
-    int mode = p->mode == 1 || p->mode == 2 ? p->mode : 0;
-    /* the element kind and the rounding mode as constants in each copy (the loops vectorize) */
-    if (p->is_int) {
-        if (keep != NULL) {
-            if (mode == 2)
-                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 2, y, keep, 1);
-            else if (mode == 1)
-                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 1, y, keep, 1);
-            else
-                mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 0, y, keep, 1);
-        } else if (mode == 2)
-            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 2, y, keep, 0);
-        else if (mode == 1)
-            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 1, y, keep, 0);
-        else
-            mx_apply(len, x, s, 1, 0, 0, p->emax, p->max_norm, 0, y, keep, 0);
-    } else if (keep != NULL)
-        mx_apply(len, x, s, 0, p->mbits, p->bias, p->emax, p->max_norm, 2, y, keep, 1);
-    else
-        mx_apply(len, x, s, 0, p->mbits, p->bias, p->emax, p->max_norm, 2, y, keep, 0);
+    if (!p->is_int)
+        mx_apply_kind(len, x, s, p, 0, 2, y, keep);
+    else if (p->mode == 2)
+        mx_apply_kind(len, x, s, p, 1, 2, y, keep);
+    else if (p->mode == 1)
+        mx_apply_kind(len, x, s, p, 1, 1, y, keep);
+    else /* other modes behave as 0 */
+        mx_apply_kind(len, x, s, p, 1, 0, y, keep);
 }
 
 /* rows o in [o0, o1) of x seen as [outer, n, inner], blocks of `block` along n; the element type by is_int (int8) or
@@ -534,4 +534,4 @@ void qt_bfp_prime_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64
         }
 }
 
-int qt_cpu_kernels_version(void) { return 6; }
+int qt_cpu_kernels_version(void) { return 7; }

@@ -29,11 +29,12 @@ import torch
 from . import native
 
 __all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "bfp_prime_fake_quantize",
-           "mx_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS", "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
+           "mx_fake_quantize", "block_format_covered", "block_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS",
+           "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 6
+_VERSION = 7
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
@@ -91,10 +92,8 @@ def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin:
     """
     lib = _check(x, "fake_quantize_tensor")
     y = torch.empty_like(x)
-    n = x.numel()
     args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
-    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if n >= PARALLEL_MIN else None
-    native.split(lib.qt_fake_quantize_tensor, n, pool, lambda i, a, b: (a, b) + args)
+    _run_rows(x, x.numel(), lib.qt_fake_quantize_tensor, lambda i, a, b: (a, b) + args)
     return y
 
 
@@ -110,9 +109,11 @@ def _block_layout(x: torch.Tensor, axis: int, what: str):
     return lib, math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
 
 
-def _run_rows(x: torch.Tensor, outer: int, fn, args_of) -> None:
-    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if outer > 1 and x.numel() >= PARALLEL_MIN else None
-    native.split(fn, outer, pool, args_of)
+def _run_rows(x: torch.Tensor, rows: int, fn, args_of) -> None:
+    """``fn`` over ``rows`` ranges of ``x`` (native.split), on torch's intra-op threads from ``PARALLEL_MIN``
+    elements."""
+    pool = native.thread_pool(_state, "qtorch_cpu_kernels") if rows > 1 and x.numel() >= PARALLEL_MIN else None
+    native.split(fn, rows, pool, args_of)
 
 
 def bfp_fake_quantize(x: torch.Tensor, axis: int, block_size: int, bit_width: int, rounding_mode: int,
@@ -190,3 +191,32 @@ def mx_fake_quantize(x: torch.Tensor, axis: int, element_dtype: str, block_size:
               lambda i, a, b: (a, b, n, inner, int(block_size), int(el.is_int), el.mbits, el.bias, el.emax,
                                float(el.max_norm), int(rounding_mode), x.data_ptr(), y.data_ptr(), kp))
     return y
+
+
+def block_format_covered(fmt) -> bool:
+    """Whether a kernel here computes the block format ``fmt`` (a ``BFPFormat`` or ``MXFormat``): OCP MX, BFP
+    (``to_bfp``) and BFP-prime with blocks of at most ``PRIME_MAX_BLOCK``, none with the bfloat16 conversion."""
+    if getattr(fmt, "element_dtype", None) is not None:
+        return True
+    if getattr(fmt, "bfp_method", None) is None or fmt.convert_to_bfloat_before_bfp:
+        return False
+    return fmt.bfp_method == "to_bfp" or fmt.block_size <= PRIME_MAX_BLOCK
+
+
+def block_fake_quantize(x: torch.Tensor, fmt, axis: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` fake-quantized in the block format ``fmt`` along ``axis`` (``0 .. rank - 1``) by the kernel for it
+    (:func:`mx_fake_quantize`, :func:`bfp_fake_quantize` or :func:`bfp_prime_fake_quantize`, with ``fmt``'s
+    attributes), its straight-through mask into ``keep`` when given.
+
+    Raises:
+        ValueError: ``fmt`` not covered (:func:`block_format_covered`), or as the kernel.
+    """
+    if not block_format_covered(fmt):
+        raise ValueError(f"block_fake_quantize: format {getattr(fmt, 'name', fmt)!r} is not covered by the C kernels "
+                         "(the bfloat16 conversion, or a BFP-prime block past PRIME_MAX_BLOCK)")
+    if getattr(fmt, "element_dtype", None) is not None:
+        return mx_fake_quantize(x, axis, fmt.element_dtype, fmt.block_size, fmt.rounding_mode, keep=keep)
+    if fmt.bfp_method == "to_bfp":
+        return bfp_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode, keep=keep)
+    return bfp_prime_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode, fmt.sub_block_size,
+                                   fmt.sub_block_shift_bits, keep=keep)

@@ -544,12 +544,8 @@ class FakeQuantize(nn.Module):
             return self._fake_quantize_hooked(x, scale, zp, axis)
         if self.learnable:
             return _integer.fake_quantize_lsq(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
-        if (not per_channel and x.device.type == "cpu" and x.dtype == torch.float32 and fmt.bits <= 16
-                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-                and x.numel() >= _cpu_kernels.MIN_ELEMENTS and x.is_contiguous() and scale.dtype == torch.float32
-                and not zp.is_floating_point()
-                and not (torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad))
-                and _cpu_kernels.available()):
+        if (not per_channel and fmt.bits <= 16 and scale.dtype == torch.float32 and not zp.is_floating_point()
+                and _cpu_kernel_applies(x, _cpu_kernels.MIN_ELEMENTS, scale)):
             # evaluation on a CPU: the same bits in one pass (cpu_kernels.c) instead of the torch path's seven
             lo, hi = _integer.quant_range(fmt, self.narrow_range)
             return _cpu_kernels.fake_quantize_tensor(x, float(scale), float(zp), lo, hi)
@@ -584,40 +580,33 @@ class FakeQuantize(nn.Module):
         """The block axis of this module's layout: ``axis``, or 1 (0 for 1-d tensors) when none was placed."""
         return self.axis if self.axis is not None else (1 if x.dim() > 1 else 0)
 
+    def _block_c_kernel(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Evaluation on a CPU: the block format's torch reference bits in one C call (cpu_kernels.c) instead of
+        about thirty torch operations, where the format and ``x`` allow it (``backend="auto"``); else None."""
+        if self.backend != "auto" or not _cpu_kernels.block_format_covered(self.fmt) or not _cpu_kernel_applies(x, 2):
+            return None
+        from .formats.block import normalize_axis
+
+        return _cpu_kernels.block_fake_quantize(x, self.fmt, normalize_axis(self._block_axis(x), x.dim()))
+
     def _qdq_bfp(self, x: torch.Tensor) -> torch.Tensor:
         """BFP / BFP-prime (MX4/6/9) quantize-dequantize along the block axis (docs/numerics.md sections 4-6)."""
         from . import ops as _ops
 
-        fmt = self.fmt
-        if (self.backend == "auto" and not fmt.convert_to_bfloat_before_bfp
-                and (fmt.bfp_method == "to_bfp" or fmt.block_size <= _cpu_kernels.PRIME_MAX_BLOCK)
-                and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= 2 and x.is_contiguous()
-                and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-                and not (torch.is_grad_enabled() and x.requires_grad) and _cpu_kernels.available()):
-            # evaluation on a CPU: the torch reference's bits in one C call (cpu_kernels.c) instead of about
-            # thirty torch operations
-            from .formats.block import normalize_axis
-
-            axis = normalize_axis(self._block_axis(x), x.dim())
-            if fmt.bfp_method == "to_bfp":
-                return _cpu_kernels.bfp_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode)
-            return _cpu_kernels.bfp_prime_fake_quantize(x, axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode,
-                                                        fmt.sub_block_size, fmt.sub_block_shift_bits)
-        return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend, **_bfp_kwargs(fmt))
+        y = self._block_c_kernel(x)
+        if y is not None:
+            return y
+        return _ops.bfp_quantize_dequantize(x, axis=self._block_axis(x), backend=self.backend,
+                                            **_bfp_kwargs(self.fmt))
 
     def _qdq_mx(self, x: torch.Tensor) -> torch.Tensor:
         """OCP MX quantize-dequantize along the block axis (docs/numerics.md sections 4 and 7)."""
         from . import ops as _ops
 
+        y = self._block_c_kernel(x)
+        if y is not None:
+            return y
         fmt = self.fmt
-        if (self.backend == "auto" and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= 2
-                and x.is_contiguous() and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
-                and not (torch.is_grad_enabled() and x.requires_grad) and _cpu_kernels.available()):
-            # evaluation on a CPU: the torch reference's bits in one C call (cpu_kernels.c)
-            from .formats.block import normalize_axis
-
-            return _cpu_kernels.mx_fake_quantize(x, normalize_axis(self._block_axis(x), x.dim()), fmt.element_dtype,
-                                                 fmt.block_size, fmt.rounding_mode)
         return _ops.mx_quantize_dequantize(x, element_dtype=fmt.element_dtype, axis=self._block_axis(x),
                                            block_size=fmt.block_size, rounding_mode=fmt.rounding_mode,
                                            backend=self.backend)
@@ -709,6 +698,16 @@ def _overridden(base: torch.Tensor, value: Any, dtype: torch.dtype) -> torch.Ten
         if v is not None:
             out[i] = float(v) if dtype.is_floating_point else int(v)
     return out.reshape(base.shape)
+
+
+def _cpu_kernel_applies(x: torch.Tensor, min_elements: int, *params: torch.Tensor) -> bool:
+    """Whether a fake quantization of ``x`` may run cpu_kernels.c's one-pass copy of its formats/ function: a
+    contiguous float32 CPU tensor of at least ``min_elements`` elements, no gradient wanted (for ``x`` or the
+    ``params``), not under torch.compile or jit tracing (dynamo's fake tensors have no memory), the library loaded."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() >= min_elements and x.is_contiguous()
+            and not torch.jit.is_tracing() and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
+            and _cpu_kernels.available())
 
 
 def _bfp_kwargs(fmt: BFPFormat) -> dict:

@@ -176,9 +176,9 @@ class AdaQuantStep:
 
 class _BlockTensor:
     """One block-format tensor of :class:`BlockAdaQuantStep`: its quantizer's format, block axis and backend, and how
-    its values are computed: one C call on a CPU (``cpu_kernels.bfp_fake_quantize`` / ``bfp_prime_fake_quantize`` /
-    ``mx_fake_quantize``; not for the bfloat16 conversion or a prime block past ``PRIME_MAX_BLOCK``), else the
-    quantizer's own kernel (torch reference, or Triton on CUDA) without autograd."""
+    its values are computed: one C call on a CPU (``cpu_kernels.block_fake_quantize`` where
+    ``block_format_covered``), else the quantizer's own kernel (torch reference, or Triton on CUDA) without
+    autograd."""
 
     def __init__(self, fq, t: torch.Tensor) -> None:
         from .. import cpu_kernels
@@ -189,10 +189,9 @@ class _BlockTensor:
         self.fmt = fq.fmt
         self.family = fq.fmt.family.name  # "bfp" or "mx"
         self.backend = fq.backend
-        covered = self.family == "mx" or (not self.fmt.convert_to_bfloat_before_bfp and (
-            self.fmt.bfp_method == "to_bfp" or self.fmt.block_size <= cpu_kernels.PRIME_MAX_BLOCK))
-        self.fused = (covered and fq.backend == "auto" and t.device.type == "cpu" and t.dtype == torch.float32
-                      and t.is_contiguous() and t.numel() >= 2 and cpu_kernels.available())
+        self.fused = (cpu_kernels.block_format_covered(self.fmt) and fq.backend == "auto" and t.device.type == "cpu"
+                      and t.dtype == torch.float32 and t.is_contiguous() and t.numel() >= 2
+                      and cpu_kernels.available())
         # the C call's mask, kept between calls (a fresh one per call costs its page faults on large weights)
         self._keep = torch.empty_like(t) if self.fused else None
 
@@ -204,17 +203,7 @@ class _BlockTensor:
         if self.fused:
             from .. import cpu_kernels
 
-            if self.family == "mx":
-                y = cpu_kernels.mx_fake_quantize(x, self.axis, fmt.element_dtype, fmt.block_size, fmt.rounding_mode,
-                                                 keep=self._keep)
-            elif fmt.bfp_method == "to_bfp":
-                y = cpu_kernels.bfp_fake_quantize(x, self.axis, fmt.block_size, fmt.bit_width, fmt.rounding_mode,
-                                                  keep=self._keep)
-            else:
-                y = cpu_kernels.bfp_prime_fake_quantize(x, self.axis, fmt.block_size, fmt.bit_width,
-                                                        fmt.rounding_mode, fmt.sub_block_size,
-                                                        fmt.sub_block_shift_bits, keep=self._keep)
-            return y, self._keep
+            return cpu_kernels.block_fake_quantize(x, fmt, self.axis, keep=self._keep), self._keep
         from .. import ops as _ops
 
         fn = _ops._kernel(self.family, _ops.resolve_backend(self.backend, x))
