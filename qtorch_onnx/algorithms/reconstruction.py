@@ -125,6 +125,25 @@ STAGED_POINTWISE_MIN_PLANE = 56 * 56
 STAGED_DEPTHWISE_MIN_PLANE = 28 * 28
 
 
+def _pointwise_forward(x: torch.Tensor, rows, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A 1x1 stride-1 Conv2d of the samples ``rows`` (ints) of ``x`` (contiguous float32 ``[N, C, H, W]``) as one
+    product per sample straight from their rows (gemm.matmul_nt: oneDNN on a CPU, no batch gather): ``[B, O, H, W]``
+    float32, written into ``out`` (``[B, O, H * W]``) when given. ``weight``: float32 ``[O, C, 1, 1]``; ``bias``:
+    ``[O]`` or None."""
+    rows = list(rows)
+    c, h, w = x.shape[1:]
+    o = weight.shape[0]
+    if out is None:
+        out = torch.empty(len(rows), o, h * w, dtype=torch.float32)
+    w2 = weight.reshape(o, c)
+    for j, i in enumerate(rows):
+        matmul_nt(w2, x[i].view(c, h * w).t(), out=out[j])
+    if bias is not None:
+        out.add_(bias.reshape(1, o, 1))
+    return out.view(len(rows), o, h, w)
+
+
 @torch.no_grad()
 def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
     """The output of ``module`` (a Conv2d with its own forward) on ``x`` (a float32 CPU batch, contiguous) for the
@@ -138,15 +157,9 @@ def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
     n, c, h, w = x.shape
     if module.groups == 1 and tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1) \
             and tuple(module.padding) == (0, 0) and h * w >= STAGED_POINTWISE_MIN_PLANE:
-        weight, bias = module.weight, module.bias
-        o = weight.shape[0]
-        out = torch.empty(n, o, h * w, dtype=torch.float32)
-        w2 = weight.reshape(o, c).to(torch.float32)
-        for i in range(n):
-            matmul_nt(w2, x[i].view(c, h * w).t(), out=out[i])
-        if bias is not None:
-            out.add_(bias.to(torch.float32).reshape(1, o, 1))
-        return out.view(n, o, h, w)
+        bias = module.bias
+        return _pointwise_forward(x, range(n), module.weight.to(torch.float32),
+                                  None if bias is None else bias.to(torch.float32))
     if module.groups == c == module.out_channels:
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
         if ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1) < STAGED_DEPTHWISE_MIN_PLANE:
@@ -886,17 +899,10 @@ class DirectLayerLoss:
                                                     m.padding, out=out)
             return self._out, None
         if self.pointwise:
-            n, (c, h, w) = ids.numel(), self.x.shape[1:]
-            out_c = weight.shape[0]
-            out = self._out if self._out is not None and self._out.shape == (n, out_c, h * w) else None
-            if out is None:
-                out = self._out = torch.empty(n, out_c, h * w, dtype=torch.float32)
-            w2 = weight.reshape(out_c, c)
-            for j, i in enumerate(ids.tolist()):
-                matmul_nt(w2, self.x[i].view(c, h * w).t(), out=out[j])
-            if bias is not None:
-                out.add_(bias.reshape(1, out_c, 1))
-            return out.view(n, out_c, h, w), None
+            shape = (ids.numel(), weight.shape[0], math.prod(self.x.shape[2:]))
+            if self._out is None or self._out.shape != shape:
+                self._out = torch.empty(shape, dtype=torch.float32)
+            return _pointwise_forward(self.x, ids.tolist(), weight, bias, out=self._out), None
         xb = self.x.index_select(0, ids.to(self.x.device))
         if self.linear:
             y = matmul_nt(xb.reshape(-1, xb.shape[-1]), weight)
