@@ -775,27 +775,25 @@ static inline void store_n(float *p, vf v, int64_t n) {
  * plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side (independent
  * chains of multiply-adds: a block alone waits on its k multiply-adds' latency; 5x5 taps 10-15% faster, 3x3 ones 5%
  * slower that way). */
-/* DW_FORWARD(K): the kernel for K taps, its arrays of exactly K entries (arrays sized for the largest K stayed in
- * memory, reloaded and stored every block) */
-#define DW_FORWARD(K)                                                                                                  \
-    static void dw_forward_k##K(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh,        \
-                                int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {   \
-        vf wv[K];                                                                                                      \
-        int64_t o[K];                                                                                                  \
-        for (int i = 0; i < K; i++) {                                                                                  \
-            wv[i] = (vf){0} + w[i];                                                                                    \
-            o[i] = off[i];                                                                                             \
-        }                                                                                                              \
-        for (int64_t y = 0; y < ho; y++)                                                                               \
-            for (int64_t x0 = 0; x0 < wo; x0 += VL) {                                                                  \
-                vf acc = (vf){0} + bias;                                                                               \
-                const float *row = pp + sh * y * wq + x0;                                                              \
-                for (int i = 0; i < K; i++)                                                                            \
-                    acc += wv[i] * loadu(row + o[i]);                                                                  \
-                store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);                                          \
-            }                                                                                                          \
+/* the 9-tap kernel, its weights and offsets in arrays of exactly 9 entries (arrays sized for the largest tap count
+ * stayed in memory) */
+static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
+                          int64_t wo, const float *restrict w, float bias, float *restrict out) {
+    vf wv[9];
+    int64_t o[9];
+    for (int i = 0; i < 9; i++) {
+        wv[i] = (vf){0} + w[i];
+        o[i] = off[i];
     }
-DW_FORWARD(9)
+    for (int64_t y = 0; y < ho; y++)
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {
+            vf acc = (vf){0} + bias;
+            const float *row = pp + sh * y * wq + x0;
+            for (int i = 0; i < 9; i++)
+                acc += wv[i] * loadu(row + o[i]);
+            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
+        }
+}
 
 /* ... any k: the weights and offsets read as they are needed */
 static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
