@@ -49,6 +49,14 @@ static inline uint32_t exp_field(float x) {
     return (b.u >> 23) & 0xffu;
 }
 
+static inline float exp2_f(int32_t k) { /* formats/block.py exp2_int for -149 <= k <= 127, branch-free */
+    bits32 b;
+    int32_t sh = k + 149;
+    sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
+    b.u = k >= -126 ? (uint32_t)(k + 127) << 23 : 1u << sh;
+    return b.f;
+}
+
 /* rounding_mode 2 (half to even; a nonzero quotient that rounds to zero gives +0.0), 1 (half toward +inf), else
  * half away from zero; modes 0 and 1 keep the quotient's sign on a zero result (formats/block.py round_with_mode) */
 static inline __attribute__((always_inline)) float bfp_round(float q, int mode) {
@@ -73,16 +81,12 @@ static inline __attribute__((always_inline)) void bfp_apply(int64_t len, const f
                                                             float *restrict y, float *restrict keep, int with_keep) {
     float lim = (float)((1 << m) - 1);
     for (int64_t i = 0; i < len; i++) {
-        int32_t k = (int32_t)s[i] - 127 - (m - 1); /* the step's exponent, >= -149 */
-        int32_t sh = k + 149;
-        sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
-        bits32 st;
-        st.u = k >= -126 ? (uint32_t)(k + 127) << 23 : 1u << sh;
+        float step = exp2_f((int32_t)s[i] - 127 - (m - 1)); /* the step's exponent is >= -149 */
         float xi = x[i];
-        float r = bfp_round(xi / st.f, mode);
+        float r = bfp_round(xi / step, mode);
         float c = r < -lim ? -lim : (r > lim ? lim : r);
         int special = exp_field(xi) == 255u;
-        y[i] = special ? xi : c * st.f;
+        y[i] = special ? xi : c * step;
         if (with_keep)
             keep[i] = (float)(special | !(fabsf(r) > lim));
     }
@@ -219,14 +223,6 @@ typedef struct {
     int32_t is_int, mbits, bias, emax, mode;
     float max_norm;
 } mx_params;
-
-static inline float exp2_f(int32_t k) { /* formats/block.py exp2_int for -149 <= k <= 127, branch-free */
-    bits32 b;
-    int32_t sh = k + 149;
-    sh = sh < 0 ? 0 : (sh > 31 ? 31 : sh);
-    b.u = k >= -126 ? (uint32_t)(k + 127) << 23 : 1u << sh;
-    return b.f;
-}
 
 static inline __attribute__((always_inline)) void mx_apply(int64_t len, const float *restrict x,
                                                            const uint32_t *restrict s, int32_t is_int, int32_t mbits,
