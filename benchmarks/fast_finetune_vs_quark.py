@@ -5,6 +5,8 @@
     python benchmarks/fast_finetune_vs_quark.py --budget-minutes 40 --out out/ft_vs_quark
     python benchmarks/fast_finetune_vs_quark.py --quick                # smoke run (about 2-3 minutes)
     python benchmarks/fast_finetune_vs_quark.py --profile-only         # cProfile of our AdaRound iterations only
+    python benchmarks/fast_finetune_vs_quark.py --ours-device cuda --quark-results out/ft_cpu/results.json
+        # the GPU figure on a machine without Quark: ours finetuned on the GPU, Quark's side from a CPU run
 
 Rows, in this order (a row whose turn comes after ``--budget-minutes`` is skipped and listed as skipped):
 
@@ -215,6 +217,38 @@ class Quark:
             return res
 
 
+class RecordedQuark:
+    """Quark's side of each row from an earlier run's ``results.json`` (``--quark-results``): for a machine that
+    has no Quark venv (the offline GPU machines), so that ours there is compared with the same rows, same data and
+    same FastFinetune dict as Quark ran them, on the machine the file names (``machine``)."""
+
+    def __init__(self, path: Path):
+        with open(path) as fh:
+            self.data = json.load(fh)
+        self.path = path
+        self.rows = {r["name"]: r for r in self.data["rows"]}
+        self.versions = dict(self.data.get("quark_versions", {}))
+
+    def describe(self) -> str:
+        return f"{self.path} (run {self.data.get('date')}, {self.data.get('machine')})"
+
+    def side(self, name: str, ft: Optional[dict]) -> dict:
+        """The recorded Quark dict of row ``name`` (a copy), or a failed side saying why there is none."""
+        r = self.rows.get(name)
+        if r is None:
+            return {"ok": False, "error": f"row {name!r} is not in {self.path}"}
+        if (r.get("fast_finetune") or None) != (ft or None):
+            return {"ok": False, "error": f"row {name!r} of {self.path} ran another FastFinetune dict: "
+                                          f"{r.get('fast_finetune')} (here {ft})"}
+        return dict(r["quark"], recorded_from=str(self.path))
+
+    def seed_entry(self, name: str, seed: int) -> dict:
+        for e in self.rows.get(name, {}).get("seed_runs", []):
+            if e.get("seed") == seed:
+                return {k: v for k, v in e.items() if k.startswith("quark")}
+        return {"quark": None, "quark_error": f"no FixedSeed {seed} run of {name!r} in {self.path}"}
+
+
 # ---------------------------------------------------------------------------------------------- our side
 class _TrainTimer:
     """Times our fast finetune (wall and CPU; the function ModelQuantizer imports) and its per-layer optimisation
@@ -412,6 +446,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-iterations", type=int, default=50)
     ap.add_argument("--settings", nargs="+", default=None,
                     help="run only these settings' rows (A8W8, A8W4, BFP16; MX9 and MXINT8 run only when named here)")
+    ap.add_argument("--ours-device", default="cpu",
+                    help="our FastFinetune OptimDevice / InferDevice (default cpu; 'cuda' for the GPU figure: Quark "
+                         "stays on the CPU, so pair it with --quark-results)")
+    ap.add_argument("--quark-results", default=None,
+                    help="a results.json of an earlier run: take each row's Quark side (and its seed runs) from it "
+                         "instead of running Quark (same rows, same data; for a machine without Quark's venv)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="FixedSeeds for the AdaQuant rows with the most iterations (both sides; default 1): at 16 "
                          "calibration images the seed moves the output error by several thousandths, more than the "
@@ -419,7 +459,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()  # the worker runs in a temporary folder
     out.mkdir(parents=True, exist_ok=True)
-    quark = Quark(Path(args.venv))
+    recorded = RecordedQuark(Path(args.quark_results)) if args.quark_results else None
+    quark = None if recorded else Quark(Path(args.venv))
     import torch
 
     torch.set_num_threads(args.torch_threads)
@@ -441,8 +482,21 @@ def main(argv=None) -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "qtorch_onnx": getattr(qtorch_onnx, "__version__", "?"), "torch_threads": torch.get_num_threads()},
         "loadavg_start": os.getloadavg(), "quick": args.quick, "batch_size": args.batch_size,
-        "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {}}
-    _log(f"machine: {results['machine']}")
+        "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {},
+        "ours_device": args.ours_device}
+    if args.ours_device != "cpu":
+        results["ours_device_name"] = (torch.cuda.get_device_name(torch.device(args.ours_device))
+                                       if args.ours_device.startswith("cuda") else args.ours_device)
+        # the device's context and its convolution libraries start outside the timed rows (Triton's kernels
+        # compile on first use: run --quick once before, its on-disk cache serves the measured run)
+        w = torch.randn(8, 4, 3, 3, device=args.ours_device, requires_grad=True)
+        torch.nn.functional.conv2d(torch.randn(2, 4, 16, 16, device=args.ours_device), w).sum().backward()
+        torch.cuda.synchronize() if args.ours_device.startswith("cuda") else None
+    if recorded:
+        results["quark_source"] = recorded.describe()
+        results["quark_versions"] = recorded.versions
+    _log(f"machine: {results['machine']}" + (f"; ours on {results['ours_device_name']}"
+                                                if args.ours_device != "cpu" else ""))
     timer = _TrainTimer()
     data: Dict[str, dict] = {}
 
@@ -485,22 +539,28 @@ def main(argv=None) -> int:
         rdir.mkdir(parents=True, exist_ok=True)
         ft = ft_dict(spec["algo"], spec["it"], len(d["calib"]), args.batch_size) if spec["algo"] else None
         row: Dict[str, Any] = {**spec, "name": _row_name(spec), "fast_finetune": ft}
+        ft_ours = dict(ft, OptimDevice=args.ours_device, InferDevice=args.ours_device) if ft else None
+        if ft_ours != ft:
+            row["fast_finetune_ours"] = ft_ours
         # --- Quark
-        _log(f"{row['name']}: Quark")
+        _log(f"{row['name']}: Quark" + (" (recorded)" if recorded else ""))
         qrun = {"name": _slug(spec), "config": "A8W8" if spec["setting"] == "A8W4" else spec["setting"],
                 "fast_ft": ft, "out": str(rdir / "quark.onnx"), "outputs": str(rdir / "quark.outputs.npz")}
         if spec["setting"] == "A8W4":
             qrun.update(weight_type="QInt4", per_channel=True)
         job = {"model": d["path"], "input_names": d["names"], "calib": str(d["work"] / "calib.npz"),
                "eval": str(d["work"] / "eval.npz"), "runs": [qrun], "torch_threads": args.torch_threads}
-        try:
-            qres = quark.run(job, rdir / "quark_worker.log")
-            q = qres["results"][0]
-            results["quark_versions"] = qres["versions"]
-            q["process_seconds"] = qres["process_seconds"]
-        except Exception as exc:  # noqa: BLE001
-            q = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        if q.get("ok"):
+        if recorded:
+            q = recorded.side(row["name"], ft)
+        else:
+            try:
+                qres = quark.run(job, rdir / "quark_worker.log")
+                q = qres["results"][0]
+                results["quark_versions"] = qres["versions"]
+                q["process_seconds"] = qres["process_seconds"]
+            except Exception as exc:  # noqa: BLE001
+                q = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if q.get("ok") and not recorded:
             qy = None
             if os.path.isfile(qrun["outputs"]):
                 with np.load(qrun["outputs"]) as z:
@@ -519,7 +579,7 @@ def main(argv=None) -> int:
         # --- ours, right after
         _log(f"{row['name']}: ours")
         try:
-            o = run_ours(d["path"], spec["setting"], ft, d["calib"], rdir / "ours", timer)
+            o = run_ours(d["path"], spec["setting"], ft_ours, d["calib"], rdir / "ours", timer)
             ys = ours_outputs(o["path"], d["evals"])
             measure(o, ys, d)
             try:  # A8W8 / A8W4 are standard Q/DQ: plain ONNX Runtime runs them (BFP16 needs our library)
@@ -573,16 +633,21 @@ def main(argv=None) -> int:
                 run_k = dict(qrun, name=f"{_slug(spec)}_seed{sd}", fast_ft=ft_k, out=str(sdir / "quark.onnx"),
                              outputs=str(sdir / "quark.outputs.npz"))
                 entry: Dict[str, Any] = {"seed": sd}
-                _log(f"{row['name']} FixedSeed {sd}: Quark")
-                try:
-                    qk = quark.run(dict(job, runs=[run_k]), sdir / "quark_worker.log")["results"][0]
-                    entry["quark"] = rel_error(plain_outputs(run_k["out"], d["evals"]), d["yf"]) if qk.get("ok") else None
-                    entry["quark_training_seconds"] = qk.get("training_seconds")
-                except Exception as exc:  # noqa: BLE001
-                    entry["quark"], entry["quark_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+                _log(f"{row['name']} FixedSeed {sd}: Quark" + (" (recorded)" if recorded else ""))
+                if recorded:
+                    entry.update(recorded.seed_entry(row["name"], sd))
+                else:
+                    try:
+                        qk = quark.run(dict(job, runs=[run_k]), sdir / "quark_worker.log")["results"][0]
+                        entry["quark"] = (rel_error(plain_outputs(run_k["out"], d["evals"]), d["yf"]) if qk.get("ok")
+                                          else None)
+                        entry["quark_training_seconds"] = qk.get("training_seconds")
+                    except Exception as exc:  # noqa: BLE001
+                        entry["quark"], entry["quark_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
                 _log(f"{row['name']} FixedSeed {sd}: ours")
                 try:
-                    ok = run_ours(d["path"], spec["setting"], ft_k, d["calib"], sdir / "ours", timer)
+                    ok = run_ours(d["path"], spec["setting"], dict(ft_ours, FixedSeed=sd), d["calib"], sdir / "ours",
+                                  timer)
                     entry["ours"] = rel_error(ours_outputs(ok["path"], d["evals"]), d["yf"])
                     entry["ours_training_seconds"] = ok.get("training_seconds")
                 except Exception as exc:  # noqa: BLE001
@@ -638,7 +703,14 @@ def section(results: dict) -> str:
              f"Quark {results.get('quark_versions', {}).get('quark', '?')} (torch "
              f"{results.get('quark_versions', {}).get('torch', '?')}, onnxruntime "
              f"{results.get('quark_versions', {}).get('onnxruntime', '?')}); ours torch {results['versions']['torch']}; "
-             f"BatchSize {results['batch_size']}; run {results['date']}, {results.get('seconds', 0) / 60:.1f} min.", ""]
+             f"BatchSize {results['batch_size']}; run {results['date']}, {results.get('seconds', 0) / 60:.1f} min."]
+    if results.get("ours_device", "cpu") != "cpu":
+        lines.append(f"Ours finetuned on {results['ours_device']} ({results.get('ours_device_name')}); the rest of "
+                     "our call (lift, calibration, export) and every evaluation on the CPU.")
+    if results.get("quark_source"):
+        lines.append(f"Quark's side recorded, not run here: {results['quark_source']}; its times are that "
+                     "machine's.")
+    lines.append("")
     for name, m in results["models"].items():
         lines.append(f"- {name}: {m['layers_in_onnx']} Conv/Gemm/MatMul nodes; {m['calib_samples']} calibration images, "
                      f"{m['eval_samples']} eval images ({m['labelled']} labelled); float top-1 {_f(m['float_top1'], '{:.3f}')}")

@@ -4,8 +4,8 @@ Public API (and nothing else): the Quark-compatible vocabulary (``ModelQuantizer
 ``QuantizationConfig``, ``get_default_config``, the type enums), the native torch API (``lift``, ``prepare``,
 ``calibrate``, ``export``, ``load_quantized``), the training contract (``learn_scales``, the observer /
 fake-quant switches, ``QuantLayer``, ``save`` / ``load``), algorithms (``fast_finetune``, ``adaround``,
-``adaquant``, ``bias_correction``, ``sensitivity``, ``auto_mixed_precision``), metrics (``evaluate``) and ONNX Runtime helpers
-(``get_library_path``).
+``adaquant``, ``bias_correction``, ``sensitivity``, ``auto_mixed_precision``), metrics (``evaluate``), the
+float32-on-CUDA guard the algorithms run under (``float32_exact``) and ONNX Runtime helpers (``get_library_path``).
 
 ``import qtorch_onnx`` imports neither torch nor onnx2torch: every public name is looked up in
 :data:`_LAZY` (name -> submodule) on first use (PEP 562), and the submodule is imported then. So a
@@ -44,6 +44,7 @@ _LAZY = {
     "calibrate": "calibration",
     "ModelQuantizer": "model_quantizer",
     "get_library_path": "runtime",
+    "float32_exact": "precision",
     "export": "export",
     "load_quantized": "interop.importer",
     **dict.fromkeys(("learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant",
@@ -55,7 +56,7 @@ _LAZY = {
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
 _SUBMODULES = ("algorithms", "cache", "calibration", "cli", "config", "data", "distributed", "errors", "fakequant",
-               "formats", "interop", "metrics", "model", "model_quantizer", "observers", "ops", "placement", "quantizer",
+               "formats", "interop", "metrics", "model", "model_quantizer", "observers", "ops", "placement", "precision", "quantizer",
                "runtime", "training", "zoo", "triton_kernels")
 
 __all__ = [
@@ -67,7 +68,7 @@ __all__ = [
     "prepare", "get_library_path", "export", "load_quantized",
     "learn_scales", "save", "load", "enable_observer", "disable_observer", "enable_fake_quant", "disable_fake_quant",
     "observers_disabled", "fake_quant_disabled", "QuantLayer", "fast_finetune", "adaround", "adaquant",
-    "sensitivity", "auto_mixed_precision", "MixedPrecisionPlan", "bias_correction",
+    "sensitivity", "auto_mixed_precision", "MixedPrecisionPlan", "bias_correction", "float32_exact",
     "__version__",
 ]
 
