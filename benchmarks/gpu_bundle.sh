@@ -7,7 +7,12 @@
 #   run.sh  the command for the device: installs the wheel and the project offline, runs
 #           benchmarks/gpu_check.sh into /tmp/gc_out, copies the report, the plot and the JSON results into
 #           $OUT and tars the logs (the device tool brings back at most 8 files).
-# Then, with the device tool: run `bash .gpu/run.sh` with carry [".gpu"], timeout_s about 500.
+#   run_ft.sh  the fast finetune GPU figure: benchmarks/fast_finetune_vs_quark.py with our finetune on the GPU
+#           (--ours-device cuda) against Quark's CPU rows recorded in benchmarks/results/fast_finetune_quark_cpu.json
+#           (--quark-results: the device has no Quark), after a --quick warm-up run that compiles the Triton
+#           kernels; then the same rows with ours on the device's CPU (one thread); about 4 minutes.
+# Then, with the device tool: run `bash .gpu/run.sh` with carry [".gpu"], timeout_s about 540 (on 2026-11-26 it
+# took 440 s on an H200), and, in a second call if the budget allows, `bash .gpu/run_ft.sh` (timeout_s 360).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-.gpu}"
@@ -50,6 +55,22 @@ cp \$G/e2e_effnet_adaquant/gpu_e2e.json \$OUT/e2e_effnet_adaquant.json 2>/dev/nu
 tar czf \$OUT/logs.tgz -C \$G \$(cd \$G && ls *.log *.txt 2>/dev/null)
 cat \$G/preflight.log \$G/gpu_check_stdout.log
 RUN
-chmod +x "$DIR/run.sh"
+cat > "$DIR/run_ft.sh" <<RUN
+#!/usr/bin/env bash
+# written by benchmarks/gpu_bundle.sh: fast finetune on the GPU against Quark's recorded CPU rows (carry $DIR)
+export PYTHONUNBUFFERED=1 QTORCH_ONNX_CACHE=\$PWD/$DIR/cache
+python3 -m pip install -q --no-index --no-deps --no-cache-dir $DIR/whl/*.whl
+python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . > /tmp/install.log 2>&1 || cat /tmp/install.log
+nvidia-smi -L; lscpu | grep "Model name"
+B="benchmarks/fast_finetune_vs_quark.py --quark-results benchmarks/results/fast_finetune_quark_cpu.json --no-profile"
+t0=\$(date +%s)
+timeout 90 python3 \$B --quick --ours-device cuda --out /tmp/warm > /tmp/warm.log 2>&1; echo "warm-up exit \$? in \$(( \$(date +%s) - t0 )) s"
+timeout 150 python3 \$B --ours-device cuda --out /tmp/gpu > \$OUT/gpu.log 2>&1; echo "gpu exit \$? at \$(( \$(date +%s) - t0 )) s"
+timeout 100 python3 \$B --out /tmp/cpu > \$OUT/cpu.log 2>&1; echo "cpu exit \$? at \$(( \$(date +%s) - t0 )) s"
+cp /tmp/gpu/results.json \$OUT/gpu_results.json; cp /tmp/gpu/fast_finetune_vs_quark.png \$OUT/gpu.png
+cp /tmp/cpu/results.json \$OUT/cpu_results.json 2>/dev/null
+grep "ft_vs_quark" \$OUT/gpu.log | tail -14
+RUN
+chmod +x "$DIR/run.sh" "$DIR/run_ft.sh"
 du -sh "$DIR"
-echo "next: device run 'bash $DIR/run.sh' with carry [\"$DIR\"]"
+echo "next: device run 'bash $DIR/run.sh' with carry [\"$DIR\"], then 'bash $DIR/run_ft.sh' (the finetune figure)"
