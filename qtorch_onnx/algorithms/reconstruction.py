@@ -29,8 +29,12 @@ __all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "DirectLayerLoss
 
 def float_twin(qm):
     """A copy of the prepared model ``qm`` with every quantizer's fake quantization off, in eval mode: the float
-    reference the layer-wise algorithms run beside it (same graph, same node names)."""
-    qf = copy.deepcopy(qm)
+    reference the layer-wise algorithms run beside it (same graph, same node names). The modules, parameters and
+    buffers are copied; what the algorithms only read is shared with ``qm``, not copied: the ONNX model (its
+    initializers would double the model's memory), the tensor map, the placement plan, the config and the input
+    specs."""
+    shared = (qm.onnx_model, qm.tensor_map, qm.plan, qm.config, qm.input_specs)
+    qf = copy.deepcopy(qm, {id(v): v for v in shared if v is not None})
     for m in qf.modules():
         if hasattr(m, "fake_quant_enabled"):
             m.fake_quant_enabled = False

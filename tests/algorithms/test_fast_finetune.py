@@ -1046,3 +1046,21 @@ def test_fused_adam_called_directly_equals_torch_adam():
             o.step()
         for a, b in zip(ours, ref):
             assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
+
+
+def test_float_twin_copies_the_weights_and_shares_what_it_only_reads():
+    from qtorch_onnx.algorithms.reconstruction import float_twin
+
+    qm = _prepared("A8W8")
+    qf = float_twin(qm)
+    assert qf.onnx_model is qm.onnx_model and qf.tensor_map is qm.tensor_map and qf.plan is qm.plan
+    theirs = dict(qf.gm.named_parameters())
+    for name, p in qm.gm.named_parameters():
+        assert torch.equal(p, theirs[name]) and p.data_ptr() != theirs[name].data_ptr(), name
+    assert all(fq.fake_quant_enabled for fq in qm.quantizers().values())
+    assert not any(fq.fake_quant_enabled for fq in qf.quantizers().values()) and not qf.training
+    with torch.no_grad():  # the twin is the float model: its output is the unquantized graph's
+        x = to_samples(calib_data(2), qm.input_specs)[0][0]
+        with qo.fake_quant_disabled(qm):
+            ref = qm(x)
+        assert torch.equal(qf(x), ref)
