@@ -46,7 +46,7 @@ from ..precision import float32_exact
 from .adaquant import adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
-                             in_graph_order, sample_count)
+                             in_graph_order, reference_twin, sample_count)
 from .reporting import save_before_after
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
@@ -139,6 +139,10 @@ def _validate(s: FastFinetuneSettings) -> None:
         raise ConfigError(f"FastFinetune DataSize must be an integer >= 1 or None, got {s.data_size!r}")
     if not 0.0 <= s.drop_ratio <= 1.0:
         raise ConfigError(f"FastFinetune DropRatio must lie in [0, 1], got {s.drop_ratio!r}")
+    if s.ref_model_path is not None:
+        from ..config.resolve import _ref_model_path
+
+        _ref_model_path(s.ref_model_path, "FastFinetune RefModelPath")
     if s.mem_opt_level not in (0, 1, 2):
         raise ConfigError(f"FastFinetune MemOptLevel must be 0 (device), 1 (host memory) or 2 (disk), "
                           f"got {s.mem_opt_level!r}")
@@ -334,7 +338,8 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
                                                                     for k, v in asdict(s).items()},
                             device=str(device), samples=n_samples)
-    qf = float_twin(qm)  # the float reference
+    # the float reference: qm's own float weights, or the RefModelPath model's
+    qf = float_twin(qm) if s.ref_model_path is None else reference_twin(qm, s.ref_model_path)
     requires = {p: p.requires_grad for p in qm.parameters()}
     for p in requires:
         p.requires_grad_(False)

@@ -11,6 +11,7 @@ values move to host memory or to disk (``mem_opt_level``).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import tempfile
@@ -24,7 +25,7 @@ from ..errors import ConfigError, DataError
 from .gemm import ONEDNN_MIN_MACS, matmul_nt
 
 __all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "DirectLayerLoss", "activation_clamp", "float_twin",
-           "sample_count", "in_graph_order"]
+           "reference_twin", "sample_count", "in_graph_order"]
 
 
 def float_twin(qm):
@@ -39,6 +40,40 @@ def float_twin(qm):
         if hasattr(m, "fake_quant_enabled"):
             m.fake_quant_enabled = False
     return qf.eval()
+
+
+def reference_twin(qm, model):
+    """The float reference from another ONNX model (``FastFinetune`` ``RefModelPath``): ``model`` (a path or an
+    ``onnx.ModelProto``, not modified) prepared with ``qm``'s configuration, so that it goes through the same
+    normalization, BatchNormalization folding, rewrites and placement, then with fake quantization off, in eval
+    mode, on ``qm``'s device. The reconstruction targets are its outputs (e.g. a teacher with the float model's
+    structure and other weights) instead of ``qm``'s own float weights'.
+
+    Raises:
+        ConfigError: the reference's lifted graph differs from ``qm``'s (another node, op or order, or a parameter
+            of another shape): the first difference is named.
+        ModelError / UnsupportedOpsError: as :func:`qtorch_onnx.prepare` for an unreadable reference.
+    """
+    from ..quantizer import prepare
+
+    where = "FastFinetune RefModelPath" + (f" {model!r}" if isinstance(model, (str, os.PathLike)) else "")
+    qr = prepare(model, qm.config)
+    ours = [(n.op, n.name, str(n.target)) for n in qm.gm.graph.nodes]
+    theirs = [(n.op, n.name, str(n.target)) for n in qr.gm.graph.nodes]
+    for i, (a, b) in enumerate(itertools.zip_longest(ours, theirs)):
+        if a != b:
+            raise ConfigError(f"{where}: its lifted graph differs from the model being finetuned at node {i}: "
+                              f"{b} where the model has {a}; the reference must have the float model's structure "
+                              "(same nodes in the same order), only other weights")
+    mine = dict(qm.gm.named_parameters())
+    for name, p in qr.gm.named_parameters():
+        if name not in mine or mine[name].shape != p.shape:
+            raise ConfigError(f"{where}: parameter {name!r} has shape {tuple(p.shape)} in the reference, "
+                              f"{tuple(mine[name].shape) if name in mine else 'none'} in the model being finetuned")
+    for m in qr.modules():
+        if hasattr(m, "fake_quant_enabled"):
+            m.fake_quant_enabled = False
+    return qr.to(qm.device).eval()
 
 
 def sample_count(samples, input_specs) -> int:

@@ -114,6 +114,7 @@ class FastFinetuneSettings:
     mem_opt_level: int = 1  # cached activations: 0 on the device (host past a budget), 1 host memory, 2 disk
     output_index: int = 0  # model output the before/after report measures
     block_recon: bool = False  # BlockRecon: residual blocks trained together (BRECQ); Quark 0.13 stores it, unused
+    ref_model_path: Optional[str] = None  # RefModelPath: the reconstruction targets' model (default: the float model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optim_algorithm",

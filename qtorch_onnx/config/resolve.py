@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+import os
 import re
 from typing import Any, Callable, Iterable, Optional
 
@@ -145,8 +146,8 @@ MX_ELEMENT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp
 FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchSize", "DataSize", "FixedSeed",
                       "EarlyStop", "OptimDevice", "InferDevice", "UpdateBias", "RegParam", "BetaRange",
                       "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
-                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon")
-FAST_FINETUNE_NOT_SUPPORTED = frozenset({"RefModelPath", "CacheDir", "SelectMaxMemLayer", "NumWorkers", "PinMemory",
+                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon", "RefModelPath")
+FAST_FINETUNE_NOT_SUPPORTED = frozenset({"CacheDir", "SelectMaxMemLayer", "NumWorkers", "PinMemory",
                                          "UseGDS", "DynamicBatch", "Parallel"})
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
@@ -735,7 +736,23 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         mem_opt_level=_int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2),
         output_index=_int(opts.get("OutputIndex", d.output_index), f"{where}['OutputIndex']", 0),
         block_recon=_bool(opts.get("BlockRecon", d.block_recon), f"{where}['BlockRecon']"),
+        ref_model_path=_ref_model_path(opts.get("RefModelPath"), f"{where}['RefModelPath']"),
     )
+
+
+def _ref_model_path(value: Any, where: str) -> Optional[str]:
+    """RefModelPath: None, or the path (str / os.PathLike) of an existing ONNX file. Quark 0.13 silently falls
+    back to the float model for a path that does not exist; here that is an error."""
+    if value is None:
+        return None
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{where} must be the path of an ONNX model (str or os.PathLike) or None, got {value!r} "
+                          f"({type(value).__name__})")
+    path = os.fspath(value)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: no file at {path!r}; give the path of the reference (float) ONNX model whose "
+                          "outputs the finetuned layers reconstruct, or leave the key out to use the float model")
+    return path
 
 
 def _lr_adjust(value: Any, where: str):

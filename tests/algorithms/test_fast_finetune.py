@@ -1064,3 +1064,44 @@ def test_float_twin_copies_the_weights_and_shares_what_it_only_reads():
         with qo.fake_quant_disabled(qm):
             ref = qm(x)
         assert torch.equal(qf(x), ref)
+
+
+def test_ref_model_path_gives_the_targets(tmp_path):
+    """RefModelPath (Quark's key): the layers reconstruct the reference model's outputs. The float model itself
+    as reference gives the same bytes as no reference; a reference with other weights gives other targets; a
+    reference of another structure, or a path that is no file, is an error naming the key."""
+    import onnx as _onnx
+    from onnx import numpy_helper as nh
+
+    from ..quant.small_models import cnn
+
+    data = calib_data(16)
+    same = tmp_path / "float.onnx"
+    _onnx.save(cnn(), same)
+    runs = {}
+    for label, ref in (("none", None), ("same", str(same))):
+        qm = _prepared("A8W8")
+        fast_finetune(qm, data, algorithm="adaround", num_iterations=20, batch_size=4, progress=False,
+                      ref_model_path=ref)
+        runs[label] = (qo.export(qm, None).SerializeToString(), [r.loss_before for r in qm.finetune_report.layers])
+    assert runs["none"] == runs["same"]
+    teacher = cnn()  # the same structure, the first convolution's weights scaled by 1.5
+    init = next(t for t in teacher.graph.initializer if t.name == "w1")
+    init.CopyFrom(nh.from_array(nh.to_array(init) * 1.5, "w1"))
+    other = tmp_path / "teacher.onnx"
+    _onnx.save(teacher, other)
+    qm = _prepared("A8W8")
+    fast_finetune(qm, data, {"OptimAlgorithm": "adaround", "NumIterations": 20, "BatchSize": 4,
+                             "RefModelPath": str(other)}, progress=False)
+    before = [r.loss_before for r in qm.finetune_report.layers]
+    assert before[0] > 10 * runs["none"][1][0]  # conv1's target is now 1.5x its float output
+    assert qm.finetune_report.settings["ref_model_path"] == str(other)
+    with pytest.raises(qo.ConfigError, match=r"RefModelPath.*no file"):
+        fast_finetune(_prepared("A8W8"), data, {"RefModelPath": str(tmp_path / "missing.onnx")}, progress=False)
+    with pytest.raises(qo.ConfigError, match=r"RefModelPath.*str or os.PathLike"):
+        fast_finetune(_prepared("A8W8"), data, {"RefModelPath": 3}, progress=False)
+    different = tmp_path / "residual.onnx"
+    _onnx.save(residual_cnn(), different)
+    with pytest.raises(qo.ConfigError, match=r"RefModelPath.*differs from the model being finetuned at node"):
+        fast_finetune(_prepared("A8W8"), data, algorithm="adaround", num_iterations=2, progress=False,
+                      ref_model_path=str(different))
