@@ -511,9 +511,12 @@ def _columns(module: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
     return cols.reshape(n, g, cols.shape[1] // g, cols.shape[2])
 
 
-#: depthwise layers with outputs this wide or wider build their Gram matrices by cpu_steps.c's sliding sums (one CPU
-#: thread, per 4 samples: 144 channels at 56x56 40 -> 8 ms, 256 at 14x14 7.2 -> 5.9 ms; at 7x7, 4.7 -> 6.1 ms)
-FUSED_DEPTHWISE_MIN_WIDTH = 10
+#: depthwise layers with outputs this wide or wider build their Gram matrices by cpu_steps.c's sliding sums, the
+#: others by im2col and torch's batched products. Since the channel-blocked kernel (qt_depthwise_gram_blocked) the C
+#: path is faster at every width: one CPU thread, 16 samples, whole QuadraticLayerLoss, torch -> C: 1152 ch 7x7 5x5
+#: 80.7 -> 28.4 ms, 1152 ch 7x7 3x3 18.6 -> 7.2, 512 ch 7x7 5x5 24.3 -> 10.9, 672 ch 9x9 5x5 s2 21.1 -> 14.4,
+#: 96 ch 4x4 3x3 1.2 -> 0.7 (it was 10 before: at 7x7 the plane-major kernel was slower than torch)
+FUSED_DEPTHWISE_MIN_WIDTH = 1
 
 
 def _fused_depthwise(module: nn.Module, x: torch.Tensor, length: int):

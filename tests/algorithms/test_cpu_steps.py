@@ -186,17 +186,22 @@ def test_depthwise_gram_equals_im2col(channels, size, kernel, stride, padding, m
         torch.testing.assert_close(g, g1, rtol=1e-6, atol=1e-6 * float(g1.abs().max()))
 
 
-def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypatch):
-    """QuadraticLayerLoss builds a wide-enough depthwise layer's matrices with the sliding sums, and its loss and
-    gradient agree with the im2col build's."""
+@pytest.mark.parametrize("channels,size,kernel,stride", [(8, 16, 3, 1), (20, 7, 5, 1), (18, 9, 5, 2), (16, 4, 3, 1)])
+def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypatch, channels, size, kernel, stride):
+    """QuadraticLayerLoss builds a depthwise layer's matrices with the sliding sums at every plane size (down to
+    4x4, where the plane is smaller than the padded kernel's reach), and its loss and gradient agree with the
+    im2col build's."""
     from qtorch_onnx.algorithms import reconstruction as rc
 
     gen = torch.Generator().manual_seed(6)
-    conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
-    x = torch.randn(6, 8, 16, 16, generator=gen)
+    pad = kernel // 2
+    conv = torch.nn.Conv2d(channels, channels, kernel, padding=pad, stride=stride, groups=channels)
+    x = torch.randn(6, channels, size, size, generator=gen)
     with torch.no_grad():
-        target = conv(x) + 0.1 * torch.randn(6, 8, 16, 16, generator=gen)
-    assert rc._fused_depthwise(conv, x, 256) == (1, 1, 1, 1, 16, 16)
+        y = conv(x)
+        target = y + 0.1 * torch.randn(y.shape, generator=gen)
+    out = y.shape[-1]
+    assert rc._fused_depthwise(conv, x, out * out) == (pad, pad, pad, pad, out, out)
     quads = [rc.QuadraticLayerLoss(conv, x, target, train_bias=True)]
     monkeypatch.setattr(rc, "_fused_depthwise", lambda *a: None)
     quads.append(rc.QuadraticLayerLoss(conv, x, target, train_bias=True))
