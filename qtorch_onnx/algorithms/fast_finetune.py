@@ -146,6 +146,10 @@ def _validate(s: FastFinetuneSettings) -> None:
     if s.mem_opt_level not in (0, 1, 2):
         raise ConfigError(f"FastFinetune MemOptLevel must be 0 (device), 1 (host memory) or 2 (disk), "
                           f"got {s.mem_opt_level!r}")
+    if s.cache_dir is not None:
+        from ..config.resolve import _cache_dir
+
+        _cache_dir(s.cache_dir, s.mem_opt_level, "FastFinetune CacheDir")
 
 
 def _device(spec: Optional[str], fallback: torch.device, key: str) -> torch.device:
@@ -346,7 +350,8 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     was_training = qm.training
     qm.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
-    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level, fast_convs=True)
+    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level, fast_convs=True, cache_dir=s.cache_dir,
+                        pin_memory=s.pin_memory)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 

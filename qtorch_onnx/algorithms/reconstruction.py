@@ -104,15 +104,15 @@ def in_graph_order(qm, layers):
 class _Spill:
     """Where the cached per-chunk values of one fx node live: the compute device, host memory, or a file."""
 
-    def __init__(self, level: int, device: torch.device, folder: Optional[str]) -> None:
-        self.level, self.device, self.folder = level, device, folder
+    def __init__(self, level: int, device: torch.device, folder: Optional[str], pin_memory: bool = True) -> None:
+        self.level, self.device, self.folder, self.pin_memory = level, device, folder, pin_memory
         self.count = 0
 
     def put(self, value):
         if not isinstance(value, torch.Tensor) or self.level == 0:
             return value
         if self.level == 1:
-            if value.is_cuda:  # page-locked host memory: an asynchronous copy, several times the bandwidth of
+            if value.is_cuda and self.pin_memory:  # page-locked host memory: an asynchronous copy, several times the bandwidth of
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)  # pageable memory's
                 return host.copy_(value, non_blocking=True)  # (the stream orders the copy back after it)
             return value.to("cpu")
@@ -222,11 +222,16 @@ class StagedExecutor:
             graph structure, same node names); ``f_gm=None`` runs the quantized graph alone (no float targets).
         chunks: input batches, each a tuple of tensors in placeholder order (already on ``device``).
         device: compute device. mem_opt_level: 0 keep cached values on ``device`` (moved to the host past
-            ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder).
+            ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder, inside ``cache_dir``
+            when given; removed afterwards).
         budget_bytes: level 0: cached bytes on the device before spilling to the host.
         what: the algorithm's name, for messages.
         fast_convs: run large 1x1 and depthwise Conv2d nodes by the faster CPU routes of :func:`_staged_conv` (the
             same convolution to float rounding; off: every node as the module computes it, bit for bit).
+        cache_dir: level 2: the folder the temporary folder is made in (created if missing); None: the system's
+            temporary folder.
+        pin_memory: level 1 on CUDA: cache in page-locked host memory (asynchronous copies, several times the
+            bandwidth of pageable memory); False: pageable memory. No effect elsewhere.
 
     Raises:
         DataError: the samples do not stack along dim 0 for a target layer (inputs of varying shapes).
@@ -234,7 +239,8 @@ class StagedExecutor:
 
     def __init__(self, q_gm: fx.GraphModule, f_gm: Optional[fx.GraphModule], chunks: Sequence[Tuple[torch.Tensor, ...]],
                  device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30,
-                 what: str = "fast finetune", fast_convs: bool = False) -> None:
+                 what: str = "fast finetune", fast_convs: bool = False, cache_dir: Optional[str] = None,
+                 pin_memory: bool = True) -> None:
         self.q_gm, self.f_gm = q_gm, f_gm
         self.what = what
         self.fast_convs = fast_convs
@@ -242,8 +248,10 @@ class StagedExecutor:
         self.f_by_name = {n.name: n for n in f_gm.graph.nodes} if f_gm is not None else {}
         self.chunks = list(chunks)
         self.device = device
-        self._tmp = tempfile.TemporaryDirectory(prefix="qtorch_ft_") if mem_opt_level >= 2 else None
-        self.spill = _Spill(mem_opt_level, device, self._tmp.name if self._tmp else None)
+        if mem_opt_level >= 2 and cache_dir is not None:
+            os.makedirs(cache_dir, exist_ok=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="qtorch_ft_", dir=cache_dir) if mem_opt_level >= 2 else None
+        self.spill = _Spill(mem_opt_level, device, self._tmp.name if self._tmp else None, pin_memory)
         self.budget = budget_bytes
         self.level0 = mem_opt_level == 0
         self.cached_bytes = 0

@@ -115,6 +115,8 @@ class FastFinetuneSettings:
     output_index: int = 0  # model output the before/after report measures
     block_recon: bool = False  # BlockRecon: residual blocks trained together (BRECQ); Quark 0.13 stores it, unused
     ref_model_path: Optional[str] = None  # RefModelPath: the reconstruction targets' model (default: the float model)
+    cache_dir: Optional[str] = None  # CacheDir: where MemOptLevel 2 spills the cached activations (default: temp)
+    pin_memory: bool = True  # PinMemory: MemOptLevel 1 on CUDA caches in page-locked host memory (Quark: False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optim_algorithm",

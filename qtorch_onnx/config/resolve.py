@@ -146,8 +146,9 @@ MX_ELEMENT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp
 FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchSize", "DataSize", "FixedSeed",
                       "EarlyStop", "OptimDevice", "InferDevice", "UpdateBias", "RegParam", "BetaRange",
                       "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
-                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon", "RefModelPath")
-FAST_FINETUNE_NOT_SUPPORTED = frozenset({"CacheDir", "SelectMaxMemLayer", "NumWorkers", "PinMemory",
+                      "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon", "RefModelPath",
+                      "CacheDir", "PinMemory")
+FAST_FINETUNE_NOT_SUPPORTED = frozenset({"SelectMaxMemLayer", "NumWorkers",
                                          "UseGDS", "DynamicBatch", "Parallel"})
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
@@ -711,6 +712,8 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         if non_int:
             raise ConfigError(f"{where}: AdaRound learns the rounding of integer weights; weight_type is "
                               f"{non_int[0]}: use OptimAlgorithm 'adaquant' instead")
+    mem_level = _int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2)
+    mem_cache_dir = _cache_dir(opts.get("CacheDir"), mem_level, f"{where}['CacheDir']")
     return FastFinetuneSettings(
         optim_algorithm=algo,
         num_iterations=_int(opts.get("NumIterations", d.num_iterations), f"{where}['NumIterations']", 1),
@@ -733,11 +736,31 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         lr_adjust=_lr_adjust(opts.get("LRAdjust"), f"{where}['LRAdjust']"),
         output_qdq=_bool(opts.get("OutputQDQ", d.output_qdq), f"{where}['OutputQDQ']"),
         log_period=_int(opts.get("LogPeriod", d.log_period), f"{where}['LogPeriod']", 1),
-        mem_opt_level=_int(opts.get("MemOptLevel", d.mem_opt_level), f"{where}['MemOptLevel']", 0, 2),
+        mem_opt_level=mem_level,
         output_index=_int(opts.get("OutputIndex", d.output_index), f"{where}['OutputIndex']", 0),
         block_recon=_bool(opts.get("BlockRecon", d.block_recon), f"{where}['BlockRecon']"),
         ref_model_path=_ref_model_path(opts.get("RefModelPath"), f"{where}['RefModelPath']"),
+        cache_dir=mem_cache_dir,
+        pin_memory=_bool(opts.get("PinMemory", d.pin_memory), f"{where}['PinMemory']"),
     )
+
+
+def _cache_dir(value: Any, mem_opt_level: int, where: str) -> Optional[str]:
+    """CacheDir: None, or a folder path (str / os.PathLike) for MemOptLevel 2's spilled activations: an existing
+    folder or one that can be created there (not an existing file). With another MemOptLevel nothing is written
+    to disk, so the key cannot apply: an error, where Quark 0.13 ignores it."""
+    if value is None:
+        return None
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{where} must be a folder path (str or os.PathLike) or None, got {value!r} "
+                          f"({type(value).__name__})")
+    path = os.fspath(value)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{where}: {path!r} exists and is not a folder; give a folder for the spilled activations")
+    if mem_opt_level != 2:
+        raise ConfigError(f"{where} is where MemOptLevel 2 spills the cached activations to disk; MemOptLevel is "
+                          f"{mem_opt_level}, which writes nothing there: set MemOptLevel 2 or leave CacheDir out")
+    return path
 
 
 def _ref_model_path(value: Any, where: str) -> Optional[str]:

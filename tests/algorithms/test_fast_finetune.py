@@ -3,6 +3,7 @@ determinism, the Quark vocabulary, bad settings."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import onnx
@@ -1105,3 +1106,41 @@ def test_ref_model_path_gives_the_targets(tmp_path):
     with pytest.raises(qo.ConfigError, match=r"RefModelPath.*differs from the model being finetuned at node"):
         fast_finetune(_prepared("A8W8"), data, algorithm="adaround", num_iterations=2, progress=False,
                       ref_model_path=str(different))
+
+
+def test_cache_dir_holds_the_spilled_activations_and_pin_memory_is_read(tmp_path, monkeypatch):
+    """CacheDir (Quark's key): MemOptLevel 2 spills into a temporary folder made inside it, removed afterwards,
+    with the same result as the system's temporary folder. With another MemOptLevel it cannot apply: an error
+    naming both keys. PinMemory is a bool."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    seen = set()
+    put = rc._Spill.put
+
+    def spy(self, value):
+        out = put(self, value)
+        if isinstance(out, tuple):
+            seen.add(os.path.dirname(out[1]))
+        return out
+
+    monkeypatch.setattr(rc._Spill, "put", spy)
+    cache = tmp_path / "acts" / "ft"  # created when missing
+    runs = []
+    for extra in ({}, {"CacheDir": str(cache)}):
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(8), {"OptimAlgorithm": "adaround", "NumIterations": 5, "BatchSize": 2,
+                                          "MemOptLevel": 2, "PinMemory": False, **extra}, progress=False)
+        runs.append(qo.export(qm, None).SerializeToString())
+    assert runs[0] == runs[1]
+    inside = [d for d in seen if os.path.dirname(d) == str(cache)]
+    assert inside and all(not os.path.exists(d) for d in seen) and list(cache.iterdir()) == []
+    with pytest.raises(qo.ConfigError, match=r"CacheDir.*MemOptLevel is 1"):
+        fast_finetune(_prepared("A8W8"), calib_data(4), {"CacheDir": str(cache)}, progress=False)
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    with pytest.raises(qo.ConfigError, match=r"CacheDir.*not a folder"):
+        fast_finetune(_prepared("A8W8"), calib_data(4), {"CacheDir": str(afile), "MemOptLevel": 2}, progress=False)
+    with pytest.raises(qo.ConfigError, match="PinMemory"):
+        fast_finetune(_prepared("A8W8"), calib_data(4), {"PinMemory": "yes"}, progress=False)
+    with pytest.raises(qo.ConfigError, match="CacheDir"):  # the native spelling is validated the same way
+        fast_finetune(_prepared("A8W8"), calib_data(4), progress=False, cache_dir=str(cache))
