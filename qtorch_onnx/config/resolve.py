@@ -150,6 +150,11 @@ FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchS
                       "CacheDir", "PinMemory")
 FAST_FINETUNE_NOT_SUPPORTED = frozenset({"SelectMaxMemLayer", "NumWorkers",
                                          "UseGDS", "DynamicBatch", "Parallel"})
+#: values of the unsupported FastFinetune keys that ask for nothing (the feature off, as here): Quark 0.13's
+#: AdaRoundConfig / AdaQuantConfig write these defaults into every FastFinetune dict they build, so they are
+#: accepted; any other value is an UnsupportedFeatureError. NumWorkers 0 and 1 both mean no worker processes.
+FAST_FINETUNE_INERT_VALUES = {"SelectMaxMemLayer": (False,), "NumWorkers": (0, 1), "UseGDS": (False,),
+                              "DynamicBatch": (False,), "Parallel": (False,)}
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
                 "L2Target", "Top1AccTarget", "EvaluateFunction", "DualQuantNodes")
@@ -685,6 +690,18 @@ def _parse_auto_mp(value: Any, where: str, fmt: Callable, activation, weight, fe
 
 
 def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> FastFinetuneSettings:
+    if isinstance(value, dict):  # Quark's unsupported keys at their "off" values ask for nothing: dropped
+        kept = {}
+        for k, v in value.items():
+            if k in FAST_FINETUNE_INERT_VALUES:
+                inert = FAST_FINETUNE_INERT_VALUES[k]
+                if any(type(v) is type(d) and v == d for d in inert):
+                    continue
+                raise UnsupportedFeatureError(
+                    f"{where}[{k!r}] = {v!r}: Quark's {k} is not supported by this version; only "
+                    f"{' or '.join(repr(d) for d in inert)} (the feature off, Quark's default) is accepted")
+            kept[k] = v
+        value = kept
     opts = _check_keys(value, where, FAST_FINETUNE_KEYS, FAST_FINETUNE_NOT_SUPPORTED)
     d = FastFinetuneSettings()
     algo = _choice(opts.get("OptimAlgorithm", d.optim_algorithm), f"{where}['OptimAlgorithm']",

@@ -1144,3 +1144,20 @@ def test_cache_dir_holds_the_spilled_activations_and_pin_memory_is_read(tmp_path
         fast_finetune(_prepared("A8W8"), calib_data(4), {"PinMemory": "yes"}, progress=False)
     with pytest.raises(qo.ConfigError, match="CacheDir"):  # the native spelling is validated the same way
         fast_finetune(_prepared("A8W8"), calib_data(4), progress=False, cache_dir=str(cache))
+
+
+def test_quark_config_class_defaults_are_accepted_and_features_refused():
+    """Quark 0.13's AdaRoundConfig / AdaQuantConfig write every FastFinetune key into the dict, the unsupported
+    ones at their "off" values (SelectMaxMemLayer / UseGDS / DynamicBatch / Parallel False, NumWorkers 1, CacheDir
+    None, PinMemory False): such a dict runs; asking for one of those features is an UnsupportedFeatureError
+    naming the key and the value that would be accepted."""
+    quark_defaults = {"OptimAlgorithm": "adaround", "OptimDevice": "cpu", "InferDevice": "cpu", "BatchSize": 2,
+                      "NumIterations": 3, "SelectMaxMemLayer": False, "NumWorkers": 1, "UseGDS": False,
+                      "DynamicBatch": False, "Parallel": False, "CacheDir": None, "PinMemory": False}
+    qm = _prepared("A8W8")
+    fast_finetune(qm, calib_data(4), quark_defaults, progress=False)
+    assert qm.finetune_report.settings["pin_memory"] is False and len(qm.finetune_report.layers) == 4
+    for key, value, accepted in (("Parallel", True, "False"), ("NumWorkers", 4, "0 or 1"),
+                                 ("NumWorkers", True, "0 or 1"), ("UseGDS", 1, "False")):
+        with pytest.raises(qo.UnsupportedFeatureError, match=rf"'{key}'.*only {accepted} \(the feature off"):
+            fast_finetune(_prepared("A8W8"), calib_data(4), dict(quark_defaults, **{key: value}), progress=False)
