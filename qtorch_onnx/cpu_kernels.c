@@ -13,7 +13,13 @@
  * qt_bfp_values: formats/bfp.py's bfp_reference for bfp_method to_bfp without the bfloat16 conversion (BFP16 and
  * the other widths, block sizes and rounding modes; docs/numerics.md sections 4 and 5), with its straight-through
  * mask (section 8) on request. qt_bfp_prime_values: the same for to_bfp_prime (MX4 / MX6 / MX9, section 6).
- * qt_mx_values: formats/mx.py's mx_reference (MXINT8, MXFP8 / 6 / 4, section 7). */
+ * qt_mx_values: formats/mx.py's mx_reference (MXINT8, MXFP8 / 6 / 4, section 7).
+ *
+ * qt_bf16_qdq: formats/floating.py's scaled_bf16 in its Q/DQ form (Quark's ExtendedQuantizeLinear /
+ * ExtendedDequantizeLinear to bfloat16, zero point +0.0, one scale; docs/numerics.md section 3):
+ *   v = x / scale + 0.0 (IEEE division; the + 0.0 turns -0.0 into +0.0);  b = bf16 bits of v, round to nearest
+ *   even on the bit pattern ((u + 0x7FFF + lsb) >> 16: overflow to +-Inf, subnormals kept), NaN -> 0x7FC1;
+ *   y = (float(b) - 0.0) scale, NaN -> 0x7FC00000 */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,6 +33,19 @@ void qt_fake_quantize_tensor(int64_t i0, int64_t i1, const float *x, float *y, f
         float c = v < qmin ? qmin : (v > qmax ? qmax : v);
         c = c != c ? qmin : c; /* NaN: v compares false both ways and stays NaN above */
         y[i] = (c - zp) * scale;
+    }
+}
+
+void qt_bf16_qdq(int64_t i0, int64_t i1, const float *x, float *y, float scale) {
+    for (int64_t i = i0; i < i1; i++) {
+        bits32 v, q, o;
+        v.f = x[i] / scale + 0.0f;
+        uint32_t r = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+        uint32_t b = (v.u & 0x7fffffffu) > 0x7f800000u ? 0x7fc1u : r; /* NaN: Quark's BFloat16 NaN */
+        q.u = b << 16;
+        o.f = (q.f - 0.0f) * scale;
+        o.u = (o.u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : o.u; /* every NaN result: 0x7FC00000 */
+        y[i] = o.f;
     }
 }
 
@@ -530,4 +549,4 @@ void qt_bfp_prime_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64
         }
 }
 
-int qt_cpu_kernels_version(void) { return 7; }
+int qt_cpu_kernels_version(void) { return 8; }

@@ -11,7 +11,9 @@ zero point, scale), this one pass (``benchmarks/integer_fake_quant.py`` measures
 :func:`qtorch_onnx.formats.bfp.bfp_reference` for ``to_bfp`` (BFP16 and other widths) without the bfloat16
 conversion, with its straight-through mask on request: the torch reference is about thirty operations, each a
 pass (``benchmarks/bfp_cpu.py``); ``qt_bfp_prime_values`` the same for ``to_bfp_prime`` (MX4 / MX6 / MX9), and
-``qt_mx_values`` :func:`qtorch_onnx.formats.mx.mx_reference` (MXINT8, MXFP8 / 6 / 4).
+``qt_mx_values`` :func:`qtorch_onnx.formats.mx.mx_reference` (MXINT8, MXFP8 / 6 / 4); ``qt_bf16_qdq``
+:func:`qtorch_onnx.formats.floating.scaled_bf16` in its Q/DQ form for one scale (about ten torch passes:
+conversion, NaN patching, dequantization).
 
 Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
 failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
@@ -28,13 +30,13 @@ import torch
 
 from . import native
 
-__all__ = ["available", "library", "fake_quantize_tensor", "bfp_fake_quantize", "bfp_prime_fake_quantize",
+__all__ = ["available", "library", "fake_quantize_tensor", "bf16_fake_quantize", "bfp_fake_quantize", "bfp_prime_fake_quantize",
            "mx_fake_quantize", "block_format_covered", "block_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS",
            "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 7
+_VERSION = 8
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
@@ -55,6 +57,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_bfp_prime_values.restype = None
     lib.qt_mx_values.argtypes = [i64] * 9 + [f32, i64] + [ptr] * 3
     lib.qt_mx_values.restype = None
+    lib.qt_bf16_qdq.argtypes = [i64, i64, ptr, ptr, f32]
+    lib.qt_bf16_qdq.restype = None
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -94,6 +98,22 @@ def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin:
     y = torch.empty_like(x)
     args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
     _run_rows(x, x.numel(), lib.qt_fake_quantize_tensor, lambda i, a, b: (a, b) + args)
+    return y
+
+
+def bf16_fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scaled_bf16(x, scale, form="qdq")`` (``formats.floating``: Quark's ExtendedQuantizeLinear /
+    ExtendedDequantizeLinear to bfloat16 with zero point +0.0, one scale) in one pass: a new float32 tensor of
+    ``x``'s shape, bit for bit the torch function's (-0.0 -> +0.0, overflow to +-Inf, subnormals kept, every NaN
+    -> 0x7FC00000). ``x``: contiguous float32 on the CPU; ``scale``: the float32 scale's value.
+
+    Raises:
+        ValueError: ``x`` not a contiguous float32 CPU tensor, or the library is unavailable.
+    """
+    lib = _check(x, "bf16_fake_quantize")
+    y = torch.empty_like(x)
+    args = (x.data_ptr(), y.data_ptr(), float(scale))
+    _run_rows(x, x.numel(), lib.qt_bf16_qdq, lambda i, a, b: (a, b) + args)
     return y
 
 

@@ -369,3 +369,66 @@ def test_mx_quantizer_uses_it_in_evaluation_only(monkeypatch):
     assert torch.equal(_bits(fq(xr).detach()), _bits(ref)) and calls == [1]
     with pytest.raises(ValueError, match="element_dtype"):
         real(x, 1, "fp3", 32, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------- BF16
+def _check_bf16(x, scale):
+    from qtorch_onnx.formats.floating import scaled_bf16
+
+    s = torch.tensor(scale, dtype=torch.float32)
+    ref = scaled_bf16(x, s, form="qdq")
+    got = cpu_kernels.bf16_fake_quantize(x.contiguous(), float(s))
+    assert got.shape == x.shape and torch.equal(_bits(got), _bits(ref)), scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 2.0 ** -3, 7.5, 3e-39, 1e30])
+def test_bf16_equals_scaled_bf16_on_ties_specials_and_bit_patterns(scale):
+    """Every rounding case of the bit pattern: exact ties (even and odd bfloat16 lsb), the largest finite values
+    rounding up to +-Inf, subnormals, signed zeros, NaN payloads of both signs, and 100k arbitrary bit patterns."""
+    g = torch.Generator().manual_seed(11)
+    hi = torch.randint(0, 1 << 16, (4096,), generator=g, dtype=torch.int32) << 16
+    ties = (hi | 0x8000).view(torch.float32)           # exactly half-way: ties to even
+    near = (hi | 0x7FFF).view(torch.float32)           # just below half-way
+    nans = torch.tensor([0x7FC00000, -0x00400000, 0x7F800001, -0x007EDCBB, 0x7FFFFFFF], dtype=torch.int32)
+    patterns = torch.randint(-2 ** 31, 2 ** 31 - 1, (100_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([torch.tensor(SPECIALS + [3.3895314e38, -3.3895314e38, 1e-40, -1e-40], dtype=torch.float32),
+                   nans.view(torch.float32), ties, near, patterns.view(torch.float32)])
+    _check_bf16(x, scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=300),
+       st.floats(min_value=2.0 ** -40, max_value=2.0 ** 40, width=32))
+def test_bf16_equals_scaled_bf16_property(values, scale):
+    _check_bf16(torch.tensor(values, dtype=torch.float32), scale)
+
+
+def test_bf16_quantizer_uses_it_in_evaluation_only(monkeypatch):
+    """A BF16 Q/DQ quantizer on a CPU takes the kernel without gradient (scaled_bf16's bits), the straight-through
+    path with a gradient wanted, and the threads split gives the same bits."""
+    from qtorch_onnx.formats.floating import scaled_bf16
+    from qtorch_onnx.formats.spec import BF16
+
+    x = torch.randn(cpu_kernels.PARALLEL_MIN + 4099, generator=torch.Generator().manual_seed(12)) * 1e3
+    calls = []
+    real = cpu_kernels.bf16_fake_quantize
+    monkeypatch.setattr(cpu_kernels, "bf16_fake_quantize", lambda *a: calls.append(1) or real(*a))
+    fq = FakeQuantize(BF16, tensor_name="act")
+    fq.fake_quant_enabled = True
+    ref = scaled_bf16(x, fq.scale, form="qdq")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                assert torch.equal(_bits(fq(x)), _bits(ref))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 1]
+    xr = x.clone().requires_grad_()
+    y = fq(xr)
+    assert torch.equal(_bits(y.detach()), _bits(ref)) and calls == [1, 1]
+    y.sum().backward()
+    assert bool((xr.grad == 1).all())  # BF16 never saturates: the gradient passes everywhere
+    with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
+        real(torch.zeros(4, 4).t(), 1.0)

@@ -13,7 +13,7 @@ import torch
 from ..formats import integer as _integer
 from .adaround import _fixed_qparams
 
-__all__ = ["AdaQuantStep", "BlockAdaQuantStep", "adaquant_step"]
+__all__ = ["AdaQuantStep", "BlockAdaQuantStep", "BF16AdaQuantStep", "adaquant_step"]
 
 
 class AdaQuantStep:
@@ -216,6 +216,36 @@ class _BlockTensor:
         return fn(x.to(torch.float32), return_mask=True, validate=False, axis=self.axis, **kw)
 
 
+class _BF16Tensor:
+    """One BF16 tensor of :class:`BF16AdaQuantStep`: its quantizer's scale and how its values are computed: one C
+    call on a CPU (``cpu_kernels.bf16_fake_quantize``, one scale), else ``formats.floating.scaled_bf16`` (Q/DQ form)
+    without autograd. The straight-through mask is 1 everywhere (BF16 never saturates: overflow is Inf,
+    docs/numerics.md section 8)."""
+
+    def __init__(self, fq, t: torch.Tensor) -> None:
+        from .. import cpu_kernels
+
+        self.t = t
+        self.scale = fq.scale.detach()
+        self.axis = fq.axis if self.scale.dim() > 0 else None
+        self.fused = (self.scale.dim() == 0 and self.scale.dtype == torch.float32 and t.device.type == "cpu"
+                      and t.dtype == torch.float32 and t.is_contiguous() and cpu_kernels.available())
+        self._keep = torch.ones_like(t) if self.fused else torch.ones_like(t, dtype=torch.bool)
+
+    @torch.no_grad()
+    def values(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(tq, keep)``: the quantized tensor (float32, the tensor's shape) and the all-ones mask (float32 on
+        the C path, bool otherwise)."""
+        x = self.t.detach()
+        if self.fused:
+            from .. import cpu_kernels
+
+            return cpu_kernels.bf16_fake_quantize(x, float(self.scale)), self._keep
+        from ..formats.floating import scaled_bf16
+
+        return scaled_bf16(x.to(torch.float32), self.scale, form="qdq", axis=self.axis), self._keep
+
+
 class BlockAdaQuantStep:
     """One layer's AdaQuant quantization and straight-through gradient for block-format weights (and biases),
     written out: BFP, BFP-prime (MX4 / MX6 / MX9) and the OCP MX formats (MXINT8, MXFP8 / 6 / 4).
@@ -302,12 +332,54 @@ class BlockAdaQuantStep:
         self._saved = None
 
 
+class BF16AdaQuantStep(BlockAdaQuantStep):
+    """:class:`BlockAdaQuantStep` for BF16 weights (and biases) in the Q/DQ form (Quark's ExtendedQuantizeLinear /
+    ExtendedDequantizeLinear to bfloat16, zero point +0.0; docs/numerics.md section 3)::
+
+        wq = float(bf16(w / scale + 0.0)) scale;  dL/dw = dL/dwq      (BF16 never saturates: overflow is Inf)
+
+    On a CPU with one scale the values in one C call per tensor (``cpu_kernels.bf16_fake_quantize``) and Adam in one
+    more (``cpu_steps.masked_adam``); per-channel scales and other devices: ``formats.floating.scaled_bf16``
+    without autograd. :meth:`check` compares the values with the quantizers' outputs bit for bit before the first
+    step.
+
+    Raises:
+        ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
+    """
+
+    def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
+        why = self.unsupported(fq_w, weight, fq_b, bias)
+        if why is not None:
+            raise ValueError(f"BF16AdaQuantStep: {why}")
+        self.weight, self.bias = weight, bias
+        self._tensors = [_BF16Tensor(fq_w, weight)] + ([_BF16Tensor(fq_b, bias)] if bias is not None else [])
+        self._saved = None
+
+    @staticmethod
+    def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
+        """Why this layer cannot take the written-out step (a short reason), or None when it can."""
+        for what, fq, t in (("weight", fq_w, weight), ("bias", fq_b, bias)):
+            if t is None:
+                continue
+            fmt = getattr(fq, "fmt", None)
+            if fq is None or getattr(fmt, "kind", None) != "BF16" or getattr(fq, "float_form", None) != "qdq":
+                return f"{what} format {getattr(fmt, 'name', None)} (this step covers BF16 in the Q/DQ form)"
+            if fq.rounding is not None or fq.learnable or t.dtype != torch.float32:
+                return f"{what}: a rounding hook, a learnable scale, or not float32"
+        return None
+
+
 def adaquant_step(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None):
     """``(step, None)``: the written-out AdaQuant step for this layer's formats (:class:`AdaQuantStep` for integer
-    weights, :class:`BlockAdaQuantStep` for BFP / MX ones), or ``(None, reason)`` when neither covers it (fast
-    finetune then trains the layer through autograd: FP16 / BF16 weights, a BFP weight with an integer bias)."""
-    if getattr(getattr(getattr(fq_w, "fmt", None), "family", None), "name", None) in ("bfp", "mx"):
+    weights, :class:`BlockAdaQuantStep` for BFP / MX ones, :class:`BF16AdaQuantStep` for BF16 ones), or
+    ``(None, reason)`` when none covers it (fast finetune then trains the layer through autograd: FP16 weights, BF16
+    in the Cast form, a BFP weight with an integer bias)."""
+    family = getattr(getattr(getattr(fq_w, "fmt", None), "family", None), "name", None)
+    if family in ("bfp", "mx"):
         why = BlockAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
         return (None, why) if why is not None else (BlockAdaQuantStep(fq_w, weight, fq_b, bias), None)
+    if family == "float":
+        why = BF16AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
+        return (None, why) if why is not None else (BF16AdaQuantStep(fq_w, weight, fq_b, bias), None)
     why = AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
     return (None, why) if why is not None else (AdaQuantStep(fq_w, weight, fq_b, bias), None)
