@@ -113,8 +113,8 @@ def ft_dict(algorithm: str, iterations: int, data_size: int, batch_size: int) ->
 
 
 #: settings run only when ``--settings`` names them: the block formats beyond BFP16 (Quark's ``MX9`` / ``MXINT8``
-#: configs run its custom operators in ONNX Runtime for every layer, about 1.5 minutes a finetune)
-EXTRA_SETTINGS = ("MX9", "MXINT8")
+#: configs run its custom operators in ONNX Runtime for every layer, about 1.5 minutes a finetune) and BF16
+EXTRA_SETTINGS = ("MX9", "MXINT8", "BF16")
 
 
 def plan_rows(quick: bool, models: List[str], settings: Optional[List[str]] = None) -> List[dict]:
@@ -445,7 +445,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--profile-iterations", type=int, default=50)
     ap.add_argument("--settings", nargs="+", default=None,
-                    help="run only these settings' rows (A8W8, A8W4, BFP16; MX9 and MXINT8 run only when named here)")
+                    help="run only these settings' rows (A8W8, A8W4, BFP16; MX9, MXINT8 and BF16 run only when named "
+                         "here)")
     ap.add_argument("--ours-device", default="cpu",
                     help="our FastFinetune OptimDevice / InferDevice (default cpu; 'cuda' for the GPU figure: Quark "
                          "stays on the CPU, so pair it with --quark-results)")
