@@ -13,7 +13,7 @@ import torch
 from ..formats import integer as _integer
 from .adaround import _fixed_qparams
 
-__all__ = ["AdaQuantStep", "BlockAdaQuantStep", "BF16AdaQuantStep", "adaquant_step"]
+__all__ = ["AdaQuantStep", "BlockAdaQuantStep", "FloatAdaQuantStep", "adaquant_step"]
 
 
 class AdaQuantStep:
@@ -216,34 +216,48 @@ class _BlockTensor:
         return fn(x.to(torch.float32), return_mask=True, validate=False, axis=self.axis, **kw)
 
 
-class _BF16Tensor:
-    """One BF16 tensor of :class:`BF16AdaQuantStep`: its quantizer's scale and how its values are computed: one C
-    call on a CPU (``cpu_kernels.bf16_fake_quantize``, one scale), else ``formats.floating.scaled_bf16`` (Q/DQ form)
-    without autograd. The straight-through mask is 1 everywhere (BF16 never saturates: overflow is Inf,
-    docs/numerics.md section 8)."""
+class _FloatTensor:
+    """One BF16 / FP16 tensor of :class:`FloatAdaQuantStep` (the Q/DQ form) and how its values and straight-through
+    mask are computed (docs/numerics.md sections 3 and 8):
+
+    * BF16: one C call on a CPU with one scale (``cpu_kernels.bf16_fake_quantize``), else
+      ``formats.floating.scaled_bf16``; the mask is 1 everywhere (BF16 never saturates: overflow is Inf);
+    * FP16 (the Q/DQ form ignores the scale): ``formats.floating.fp16_round`` (clip to +-65504, round to
+      float16); the mask is 0 where a finite value was clipped.
+
+    No autograd. On a CPU the mask is float32 (``cpu_steps.masked_adam`` takes it), elsewhere bool."""
 
     def __init__(self, fq, t: torch.Tensor) -> None:
         from .. import cpu_kernels
 
         self.t = t
+        self.kind = fq.fmt.kind
         self.scale = fq.scale.detach()
         self.axis = fq.axis if self.scale.dim() > 0 else None
-        self.fused = (self.scale.dim() == 0 and self.scale.dtype == torch.float32 and t.device.type == "cpu"
-                      and t.dtype == torch.float32 and t.is_contiguous() and cpu_kernels.available())
-        self._keep = torch.ones_like(t) if self.fused else torch.ones_like(t, dtype=torch.bool)
+        self.fused = (self.kind == "BF16" and self.scale.dim() == 0 and self.scale.dtype == torch.float32
+                      and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                      and cpu_kernels.available())
+        self._cpu = t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        self._keep = torch.ones_like(t) if self._cpu else torch.ones_like(t, dtype=torch.bool)
 
     @torch.no_grad()
     def values(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(tq, keep)``: the quantized tensor (float32, the tensor's shape) and the all-ones mask (float32 on
-        the C path, bool otherwise)."""
+        """``(tq, keep)``: the quantized tensor (float32, the tensor's shape) and where its gradient passes."""
+        from ..formats import floating
+
         x = self.t.detach()
+        if self.kind == "FP16":
+            xf = x.to(torch.float32)
+            keep = (xf.abs() <= floating.FP16_MAX) | ~torch.isfinite(xf)
+            if self._cpu:  # float32 for cpu_steps.masked_adam
+                self._keep.copy_(keep)
+                keep = self._keep
+            return floating.fp16_round(xf), keep
         if self.fused:
             from .. import cpu_kernels
 
             return cpu_kernels.bf16_fake_quantize(x, float(self.scale)), self._keep
-        from ..formats.floating import scaled_bf16
-
-        return scaled_bf16(x.to(torch.float32), self.scale, form="qdq", axis=self.axis), self._keep
+        return floating.scaled_bf16(x.to(torch.float32), self.scale, form="qdq", axis=self.axis), self._keep
 
 
 class BlockAdaQuantStep:
@@ -332,16 +346,17 @@ class BlockAdaQuantStep:
         self._saved = None
 
 
-class BF16AdaQuantStep(BlockAdaQuantStep):
-    """:class:`BlockAdaQuantStep` for BF16 weights (and biases) in the Q/DQ form (Quark's ExtendedQuantizeLinear /
-    ExtendedDequantizeLinear to bfloat16, zero point +0.0; docs/numerics.md section 3)::
+class FloatAdaQuantStep(BlockAdaQuantStep):
+    """:class:`BlockAdaQuantStep` for BF16 / FP16 weights (and biases) in the Q/DQ form (Quark's
+    ExtendedQuantizeLinear / ExtendedDequantizeLinear; docs/numerics.md section 3)::
 
-        wq = float(bf16(w / scale + 0.0)) scale;  dL/dw = dL/dwq      (BF16 never saturates: overflow is Inf)
+        BF16: wq = float(bf16(w / scale + 0.0)) scale;  dL/dw = dL/dwq          (never saturates: overflow is Inf)
+        FP16: wq = float(fp16(clip(w, +-65504)));       dL/dw = dL/dwq, 0 where a finite w was clipped
 
-    On a CPU with one scale the values in one C call per tensor (``cpu_kernels.bf16_fake_quantize``) and Adam in one
-    more (``cpu_steps.masked_adam``); per-channel scales and other devices: ``formats.floating.scaled_bf16``
-    without autograd. :meth:`check` compares the values with the quantizers' outputs bit for bit before the first
-    step.
+    BF16 on a CPU with one scale: the values in one C call per tensor (``cpu_kernels.bf16_fake_quantize``); FP16,
+    per-channel scales and other devices: ``formats.floating`` without autograd. On a CPU Adam runs in one more C
+    call (``cpu_steps.masked_adam``). :meth:`check` compares the values with the quantizers' outputs bit for bit
+    before the first step.
 
     Raises:
         ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
@@ -350,9 +365,9 @@ class BF16AdaQuantStep(BlockAdaQuantStep):
     def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
         why = self.unsupported(fq_w, weight, fq_b, bias)
         if why is not None:
-            raise ValueError(f"BF16AdaQuantStep: {why}")
+            raise ValueError(f"FloatAdaQuantStep: {why}")
         self.weight, self.bias = weight, bias
-        self._tensors = [_BF16Tensor(fq_w, weight)] + ([_BF16Tensor(fq_b, bias)] if bias is not None else [])
+        self._tensors = [_FloatTensor(fq_w, weight)] + ([_FloatTensor(fq_b, bias)] if bias is not None else [])
         self._saved = None
 
     @staticmethod
@@ -362,24 +377,27 @@ class BF16AdaQuantStep(BlockAdaQuantStep):
             if t is None:
                 continue
             fmt = getattr(fq, "fmt", None)
-            if fq is None or getattr(fmt, "kind", None) != "BF16" or getattr(fq, "float_form", None) != "qdq":
-                return f"{what} format {getattr(fmt, 'name', None)} (this step covers BF16 in the Q/DQ form)"
+            kind = getattr(fmt, "kind", None)
+            if fq is None or kind not in ("BF16", "FP16") or getattr(fq, "float_form", None) != "qdq":
+                return f"{what} format {getattr(fmt, 'name', None)} (this step covers BF16 / FP16 in the Q/DQ form)"
             if fq.rounding is not None or fq.learnable or t.dtype != torch.float32:
                 return f"{what}: a rounding hook, a learnable scale, or not float32"
+            if kind == "FP16" and not (fq.scale.numel() == 1 and float(fq.scale) == 1.0):
+                return f"{what}: an FP16 Q/DQ quantizer with a scale (its forward refuses it)"
         return None
 
 
 def adaquant_step(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None):
     """``(step, None)``: the written-out AdaQuant step for this layer's formats (:class:`AdaQuantStep` for integer
-    weights, :class:`BlockAdaQuantStep` for BFP / MX ones, :class:`BF16AdaQuantStep` for BF16 ones), or
-    ``(None, reason)`` when none covers it (fast finetune then trains the layer through autograd: FP16 weights, BF16
-    in the Cast form, a BFP weight with an integer bias)."""
+    weights, :class:`BlockAdaQuantStep` for BFP / MX ones, :class:`FloatAdaQuantStep` for BF16 / FP16 ones), or
+    ``(None, reason)`` when none covers it (fast finetune then trains the layer through autograd: BF16 / FP16 in
+    the Cast form, a BFP weight with an integer bias)."""
     family = getattr(getattr(getattr(fq_w, "fmt", None), "family", None), "name", None)
     if family in ("bfp", "mx"):
         why = BlockAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
         return (None, why) if why is not None else (BlockAdaQuantStep(fq_w, weight, fq_b, bias), None)
     if family == "float":
-        why = BF16AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
-        return (None, why) if why is not None else (BF16AdaQuantStep(fq_w, weight, fq_b, bias), None)
+        why = FloatAdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
+        return (None, why) if why is not None else (FloatAdaQuantStep(fq_w, weight, fq_b, bias), None)
     why = AdaQuantStep.unsupported(fq_w, weight, fq_b, bias)
     return (None, why) if why is not None else (AdaQuantStep(fq_w, weight, fq_b, bias), None)

@@ -269,15 +269,15 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             elementwise passes over the weight instead of about 50) and AdaQuant on integer weights with INT32
             biases (:class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`: the straight-through estimator) or
             on block-format weights and biases, BFP and MX
-            (:class:`~qtorch_onnx.algorithms.adaquant.BlockAdaQuantStep`), or on BF16 ones in the Q/DQ form
-            (:class:`~qtorch_onnx.algorithms.adaquant.BF16AdaQuantStep`). A single Conv1d / Conv2d / Linear layer
+            (:class:`~qtorch_onnx.algorithms.adaquant.BlockAdaQuantStep`), or on BF16 / FP16 ones in the Q/DQ form
+            (:class:`~qtorch_onnx.algorithms.adaquant.FloatAdaQuantStep`). A single Conv1d / Conv2d / Linear layer
             without Gram matrices, on its own output or through a ReLU / baked Clip, then runs without autograd too
             (:class:`~qtorch_onnx.algorithms.reconstruction.DirectLayerLoss`: its forward and weight-gradient
             convolutions, the residual, loss and activation mask in one pass; kept only if it gives autograd's
             loss and gradient on the first sample); other layers (blocks, QDrop, OutputQDQ, other
             activations) run their forward under autograd, on the step's values as leaves. Applies where
             every trained tensor is quantized through its module's parametrization (an integer grid of 2-16
-            bits with its calibrated or learned scale held fixed, a block format, or BF16) and the step's values
+            bits with its calibrated or learned scale held fixed, a block format, or BF16 / FP16) and the step's values
             equal the quantizer's
             (checked); other layers, and False, use autograd through the quantizers. On a CPU the steps run as
             fused C loops (:mod:`~qtorch_onnx.algorithms.cpu_steps`, Adam's step in the gradient pass;

@@ -938,43 +938,44 @@ def test_block_adaquant_step_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="BlockAdaQuantStep"):
         BlockAdaQuantStep(FakeQuantize(BFPFormat(), tensor_name="w", axis=1), w,
                           FakeQuantize(INT32, tensor_name="b", role="bias"), torch.randn(8))
-    from qtorch_onnx.algorithms.adaquant import BF16AdaQuantStep
+    from qtorch_onnx.algorithms.adaquant import FloatAdaQuantStep
     from qtorch_onnx.formats.spec import BF16, FP16
 
     qm = _prepared("BF16")
     layer = qm.layers()[0]
-    assert isinstance(adaquant_step(layer.weight_quantizer, layer.weight)[0], BF16AdaQuantStep)
-    step, why = adaquant_step(FakeQuantize(FP16, tensor_name="w"), w)
-    assert step is None and "BF16" in why  # FP16 weights: autograd
+    assert isinstance(adaquant_step(layer.weight_quantizer, layer.weight)[0], FloatAdaQuantStep)
+    assert isinstance(adaquant_step(FakeQuantize(FP16, tensor_name="w"), w)[0], FloatAdaQuantStep)
     cast = FakeQuantize(BF16, tensor_name="w")
     cast.float_form = "cast"
-    assert adaquant_step(cast, w)[0] is None
+    step, why = adaquant_step(cast, w)
+    assert step is None and "Q/DQ form" in why  # the Cast form: autograd
     qm = _prepared("A8W8")
     qo.disable_observer(qm)  # as AdaQuant does: the scale stays as calibrated
     layer = qm.layers()[0]
     assert isinstance(adaquant_step(layer.weight_quantizer, layer.weight)[0], AdaQuantStep)
 
 
-@pytest.mark.parametrize("kernels", ["c", "torch"])
-def test_bf16_adaquant_step_equals_autograd(monkeypatch, kernels):
-    """BF16AdaQuantStep gives the BF16 quantizers' own weight (and bias) bits, with special values in the weight,
-    and autograd's straight-through gradients (1 everywhere), with the C values and with formats.floating's."""
+@pytest.mark.parametrize("config,kernels", [("BF16", "c"), ("BF16", "torch"), ("FP16", "torch")])
+def test_float_adaquant_step_equals_autograd(monkeypatch, config, kernels):
+    """FloatAdaQuantStep gives the BF16 / FP16 quantizers' own weight (and bias) bits, with special values in the
+    weight, and autograd's straight-through gradients (BF16: 1 everywhere; FP16: 0 where a finite value was
+    clipped to +-65504), BF16 with the C values and with formats.floating's."""
     from qtorch_onnx import cpu_kernels
-    from qtorch_onnx.algorithms.adaquant import BF16AdaQuantStep, adaquant_step
+    from qtorch_onnx.algorithms.adaquant import FloatAdaQuantStep, adaquant_step
 
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1" if kernels == "c" else "0")
     monkeypatch.setattr(cpu_kernels, "_state", {})
-    qm = _prepared("BF16")
+    qm = _prepared(config)
     gen = torch.Generator().manual_seed(7)
     for layer in qm.layers():
         fq_w, w = layer.weight_quantizer, layer.weight
         fq_b = layer.bias_quantizer if layer.bias is not None and layer.bias_quantizer is not None else None
         b = layer.bias if fq_b is not None else None
         step, why = adaquant_step(fq_w, w, fq_b, b)
-        assert isinstance(step, BF16AdaQuantStep), why
+        assert isinstance(step, FloatAdaQuantStep), why
         assert all(t.fused == (kernels == "c") for t in step._tensors)
-        with torch.no_grad():  # a tie, a subnormal, a negative zero: the rounding cases the C copy must match
-            w.view(-1)[:3] = torch.tensor([1.0 + 2.0 ** -8, 1e-40, -0.0])
+        with torch.no_grad():  # a tie, a subnormal, a negative zero, one clipped by FP16: the rounding cases
+            w.view(-1)[:4] = torch.tensor([1.0 + 2.0 ** -8, 1e-40, -0.0, 7e4])
         params = [w] + ([b] if b is not None else [])
         up = [torch.randn(p.shape, generator=gen) for p in params]
         for p in params:
@@ -994,17 +995,18 @@ def test_bf16_adaquant_step_equals_autograd(monkeypatch, kernels):
             p.requires_grad_(False)
 
 
-def test_bf16_adaquant_trains_with_the_written_out_step(monkeypatch):
-    """fast_finetune's AdaQuant on BF16 takes the written-out step on every layer, ends where autograd's training
-    ends (to the float roundings that BF16's rounding flips amplify) and exports bit-exactly. (At Quark's learning
-    rate AdaQuant barely moves this small model's BF16 losses, up or down, either way: the test asserts the
-    agreement, not a gain.)"""
-    from qtorch_onnx.algorithms.adaquant import BF16AdaQuantStep
+@pytest.mark.parametrize("config", ["BF16", "FP16"])
+def test_float_adaquant_trains_with_the_written_out_step(monkeypatch, config):
+    """fast_finetune's AdaQuant on BF16 / FP16 takes the written-out step on every layer, ends where autograd's
+    training ends (to the float roundings that the format's rounding flips amplify) and exports bit-exactly. (At
+    Quark's learning rate AdaQuant barely moves this small model's losses, up or down, either way: the test
+    asserts the agreement, not a gain.)"""
+    from qtorch_onnx.algorithms.adaquant import FloatAdaQuantStep
 
-    calls = _count_set_grads(monkeypatch, BF16AdaQuantStep)
+    calls = _count_set_grads(monkeypatch, FloatAdaQuantStep)
     totals = {}
     for manual in (False, True):
-        qm = _prepared("BF16")
+        qm = _prepared(config)
         fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=60, batch_size=2, learning_rate=1e-5,
                       progress=False, manual_gradient=manual)
         recs = qm.finetune_report.layers
