@@ -19,7 +19,13 @@
  * ExtendedDequantizeLinear to bfloat16, zero point +0.0, one scale; docs/numerics.md section 3):
  *   v = x / scale + 0.0 (IEEE division; the + 0.0 turns -0.0 into +0.0);  b = bf16 bits of v, round to nearest
  *   even on the bit pattern ((u + 0x7FFF + lsb) >> 16: overflow to +-Inf, subnormals kept), NaN -> 0x7FC1;
- *   y = (float(b) - 0.0) scale, NaN -> 0x7FC00000 */
+ *   y = (float(b) - 0.0) scale, NaN -> 0x7FC00000
+ *
+ * qt_fp16_round: formats/floating.py's fp16_round (Quark's ExtendedQuantizeLinear / ExtendedDequantizeLinear to
+ * float16, scale and zero point ignored; docs/numerics.md section 3): clip to +-65504 (NaN stays NaN), round to
+ * float16 (IEEE, to nearest even; subnormals kept), widen back; with `keep`, the straight-through mask (1 where
+ * |x| <= 65504 or x is not finite). Only where the compiler has _Float16 (qt_fp16_available); NaN payloads are
+ * the conversion's (only NaN-ness is contractual, as for torch's). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -48,6 +54,28 @@ void qt_bf16_qdq(int64_t i0, int64_t i1, const float *x, float *y, float scale) 
         y[i] = o.f;
     }
 }
+
+#if defined(__FLT16_MAX__)
+int qt_fp16_available(void) { return 1; }
+
+void qt_fp16_round(int64_t i0, int64_t i1, const float *x, float *y, float *keep) {
+    for (int64_t i = i0; i < i1; i++) {
+        float v = x[i] < -65504.0f ? -65504.0f : (x[i] > 65504.0f ? 65504.0f : x[i]);
+        y[i] = (float)(_Float16)v;
+    }
+    if (keep)
+        for (int64_t i = i0; i < i1; i++) {
+            float a = fabsf(x[i]);
+            keep[i] = (a <= 65504.0f || !(a < INFINITY)) ? 1.0f : 0.0f; /* NaN and +-Inf pass their gradient */
+        }
+}
+#else
+int qt_fp16_available(void) { return 0; }
+
+void qt_fp16_round(int64_t i0, int64_t i1, const float *x, float *y, float *keep) {
+    (void)i0, (void)i1, (void)x, (void)y, (void)keep;
+}
+#endif
 
 /* ------------------------------------------------------------------------------------------------------ BFP */
 /* Blocks of `block` elements along the block axis of a tensor seen as [outer, n, inner] (the last block of a row
@@ -549,4 +577,4 @@ void qt_bfp_prime_values(int64_t o0, int64_t o1, int64_t n, int64_t inner, int64
         }
 }
 
-int qt_cpu_kernels_version(void) { return 8; }
+int qt_cpu_kernels_version(void) { return 9; }

@@ -13,7 +13,9 @@ conversion, with its straight-through mask on request: the torch reference is ab
 pass (``benchmarks/bfp_cpu.py``); ``qt_bfp_prime_values`` the same for ``to_bfp_prime`` (MX4 / MX6 / MX9), and
 ``qt_mx_values`` :func:`qtorch_onnx.formats.mx.mx_reference` (MXINT8, MXFP8 / 6 / 4); ``qt_bf16_qdq``
 :func:`qtorch_onnx.formats.floating.scaled_bf16` in its Q/DQ form for one scale (about ten torch passes:
-conversion, NaN patching, dequantization).
+conversion, NaN patching, dequantization), ``qt_fp16_round``
+:func:`qtorch_onnx.formats.floating.fp16_round` (clip, two conversions) with its straight-through mask on request,
+where the compiler has ``_Float16``.
 
 Built on first use by :mod:`qtorch_onnx.native` into ``$QTORCH_ONNX_CACHE/cpu_kernels/<hash>/``. No compiler, a
 failed build or ``QTORCH_ONNX_CPU_KERNELS=0``: the torch path runs (a warning says why, once). Tensors from
@@ -30,13 +32,14 @@ import torch
 
 from . import native
 
-__all__ = ["available", "library", "fake_quantize_tensor", "bf16_fake_quantize", "bfp_fake_quantize", "bfp_prime_fake_quantize",
+__all__ = ["available", "library", "fake_quantize_tensor", "bf16_fake_quantize", "fp16_available", "fp16_round",
+           "bfp_fake_quantize", "bfp_prime_fake_quantize",
            "mx_fake_quantize", "block_format_covered", "block_fake_quantize", "ENV_SWITCH", "MIN_ELEMENTS",
            "PARALLEL_MIN", "PRIME_MAX_BLOCK"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_kernels.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_KERNELS"
-_VERSION = 8
+_VERSION = 9
 #: tensors below this many elements stay with torch (a ctypes call costs about as much as torch's passes there)
 MIN_ELEMENTS = 1 << 12
 #: tensors from this many elements up are split between torch's intra-op threads
@@ -59,6 +62,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_mx_values.restype = None
     lib.qt_bf16_qdq.argtypes = [i64, i64, ptr, ptr, f32]
     lib.qt_bf16_qdq.restype = None
+    lib.qt_fp16_round.argtypes = [i64, i64, ptr, ptr, ptr]
+    lib.qt_fp16_round.restype = None
+    lib.qt_fp16_available.argtypes = []
+    lib.qt_fp16_available.restype = ctypes.c_int
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -114,6 +121,36 @@ def bf16_fake_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     y = torch.empty_like(x)
     args = (x.data_ptr(), y.data_ptr(), float(scale))
     _run_rows(x, x.numel(), lib.qt_bf16_qdq, lambda i, a, b: (a, b) + args)
+    return y
+
+
+def fp16_available() -> bool:
+    """Whether :func:`fp16_round` can run: the library loads and its compiler has ``_Float16``."""
+    lib = library()
+    return lib is not None and bool(lib.qt_fp16_available())
+
+
+def fp16_round(x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``formats.floating.fp16_round(x)`` in one pass: clip to +-65504, round to float16 (to nearest even,
+    subnormals kept), widen back to float32; a new tensor of ``x``'s shape, bit for bit the torch function's for
+    every value but NaN (a NaN stays NaN; its payload is the conversion's, as torch's is). ``keep``: a contiguous
+    float32 tensor of ``x``'s shape to receive the straight-through mask (1.0 where ``|x| <= 65504`` or ``x`` is
+    not finite, else 0.0). ``x``: contiguous float32 on the CPU.
+
+    Raises:
+        ValueError: ``x`` / ``keep`` not contiguous float32 CPU tensors of one shape, or no ``_Float16`` here
+            (check :func:`fp16_available` first).
+    """
+    lib = _check(x, "fp16_round")
+    if not lib.qt_fp16_available():
+        raise ValueError("fp16_round: the C kernels were built without _Float16 (see cpu_kernels.fp16_available())")
+    if keep is not None:
+        _check(keep, "fp16_round keep")
+        if keep.shape != x.shape:
+            raise ValueError(f"fp16_round: keep has shape {tuple(keep.shape)}, x {tuple(x.shape)}")
+    y = torch.empty_like(x)
+    args = (x.data_ptr(), y.data_ptr(), keep.data_ptr() if keep is not None else None)
+    _run_rows(x, x.numel(), lib.qt_fp16_round, lambda i, a, b: (a, b) + args)
     return y
 
 

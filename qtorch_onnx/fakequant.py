@@ -567,6 +567,9 @@ class FakeQuantize(nn.Module):
                 raise UnsupportedFeatureError(
                     f"quantizer on {self.tensor_name!r}: the FP16 Q/DQ form ignores the scale (Quark's "
                     "ExtendedQuantizeLinear); a scaled FP16 quantizer needs float_form='cast'")
+            if _cpu_kernel_applies(x, _cpu_kernels.MIN_ELEMENTS) and _cpu_kernels.fp16_available():
+                # evaluation on a CPU: clip and both conversions in one pass (cpu_kernels.c)
+                return _cpu_kernels.fp16_round(x)
             return _floating.fp16_round_ste(x)
         if self.float_form != "cast":
             raise ConfigError(f"quantizer on {self.tensor_name!r}: float_form {self.float_form!r}; "

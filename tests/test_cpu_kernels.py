@@ -432,3 +432,58 @@ def test_bf16_quantizer_uses_it_in_evaluation_only(monkeypatch):
     assert bool((xr.grad == 1).all())  # BF16 never saturates: the gradient passes everywhere
     with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
         real(torch.zeros(4, 4).t(), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------- FP16
+@pytest.mark.skipif(not cpu_kernels.fp16_available(), reason="the compiler has no _Float16")
+def test_fp16_round_equals_fp16_round_on_bit_patterns_and_its_mask():
+    """Every non-NaN value gives fp16_round's bits (ties, the clip at +-65504 and the values that round past it,
+    float16 subnormals and underflow, signed zeros, 1M arbitrary bit patterns); a NaN stays a NaN (its payload is
+    not contractual); the mask is 1 where |x| <= 65504 or x is not finite."""
+    from qtorch_onnx.formats.floating import FP16_MAX, fp16_round
+
+    g = torch.Generator().manual_seed(13)
+    patterns = torch.randint(-2 ** 31, 2 ** 31 - 1, (1_000_003,), generator=g, dtype=torch.int64).to(torch.int32)
+    hi = torch.randint(0, 1 << 19, (4096,), generator=g, dtype=torch.int32) << 13
+    ties = (hi | 0x1000).view(torch.float32)  # half-way between two float16 values (normal range)
+    x = torch.cat([torch.tensor(SPECIALS + [65504.0, 65519.0, 65520.0, -65520.0, 6e-8, 3e-8, 2.98e-8, -5.96e-8]),
+                   ties, torch.randn(10_000, generator=g) * 3e4, patterns.view(torch.float32)])
+    keep = torch.empty_like(x)
+    got = cpu_kernels.fp16_round(x, keep=keep)
+    ref = fp16_round(x)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(_bits(got[~nan]), _bits(ref[~nan]))
+    assert torch.equal(keep.bool(), (x.abs() <= FP16_MAX) | ~torch.isfinite(x))
+    with pytest.raises(ValueError, match="keep has shape"):
+        cpu_kernels.fp16_round(x, keep=torch.empty(3))
+
+
+@pytest.mark.skipif(not cpu_kernels.fp16_available(), reason="the compiler has no _Float16")
+def test_fp16_quantizer_uses_it_in_evaluation_only(monkeypatch):
+    """An FP16 Q/DQ quantizer on a CPU takes the kernel without gradient (fp16_round's values), the
+    straight-through path with a gradient wanted; the threads split gives the same bits."""
+    from qtorch_onnx.formats.floating import fp16_round
+    from qtorch_onnx.formats.spec import FP16
+
+    x = torch.randn(cpu_kernels.PARALLEL_MIN + 4099, generator=torch.Generator().manual_seed(14)) * 3e4
+    calls = []
+    real = cpu_kernels.fp16_round
+    monkeypatch.setattr(cpu_kernels, "fp16_round", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fq = FakeQuantize(FP16, tensor_name="act")
+    fq.fake_quant_enabled = True
+    ref = fp16_round(x)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                assert torch.equal(_bits(fq(x)), _bits(ref))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == [1, 1]
+    xr = x.clone().requires_grad_()
+    y = fq(xr)
+    assert torch.equal(_bits(y.detach()), _bits(ref)) and calls == [1, 1]
+    y.sum().backward()
+    assert (xr.grad == 0).any() and (xr.grad == 1).any()  # clipped values get no gradient

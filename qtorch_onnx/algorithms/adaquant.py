@@ -222,8 +222,9 @@ class _FloatTensor:
 
     * BF16: one C call on a CPU with one scale (``cpu_kernels.bf16_fake_quantize``), else
       ``formats.floating.scaled_bf16``; the mask is 1 everywhere (BF16 never saturates: overflow is Inf);
-    * FP16 (the Q/DQ form ignores the scale): ``formats.floating.fp16_round`` (clip to +-65504, round to
-      float16); the mask is 0 where a finite value was clipped.
+    * FP16 (the Q/DQ form ignores the scale): one C call on a CPU for the values and the mask
+      (``cpu_kernels.fp16_round``), else ``formats.floating.fp16_round`` (clip to +-65504, round to float16); the
+      mask is 0 where a finite value was clipped.
 
     No autograd. On a CPU the mask is float32 (``cpu_steps.masked_adam`` takes it), elsewhere bool."""
 
@@ -238,6 +239,8 @@ class _FloatTensor:
                       and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
                       and cpu_kernels.available())
         self._cpu = t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        self._c_fp16 = self.kind == "FP16" and self._cpu and cpu_kernels.fp16_available()
+        self.fused = self.fused or self._c_fp16  # the values by a C call (and Adam in cpu_steps.masked_adam)
         self._keep = torch.ones_like(t) if self._cpu else torch.ones_like(t, dtype=torch.bool)
 
     @torch.no_grad()
@@ -247,6 +250,10 @@ class _FloatTensor:
 
         x = self.t.detach()
         if self.kind == "FP16":
+            if self._cpu and self._c_fp16:  # values and mask in one C call
+                from .. import cpu_kernels
+
+                return cpu_kernels.fp16_round(x, keep=self._keep), self._keep
             xf = x.to(torch.float32)
             keep = (xf.abs() <= floating.FP16_MAX) | ~torch.isfinite(xf)
             if self._cpu:  # float32 for cpu_steps.masked_adam
@@ -353,8 +360,9 @@ class FloatAdaQuantStep(BlockAdaQuantStep):
         BF16: wq = float(bf16(w / scale + 0.0)) scale;  dL/dw = dL/dwq          (never saturates: overflow is Inf)
         FP16: wq = float(fp16(clip(w, +-65504)));       dL/dw = dL/dwq, 0 where a finite w was clipped
 
-    BF16 on a CPU with one scale: the values in one C call per tensor (``cpu_kernels.bf16_fake_quantize``); FP16,
-    per-channel scales and other devices: ``formats.floating`` without autograd. On a CPU Adam runs in one more C
+    On a CPU the values (FP16: and the mask) in one C call per tensor (``cpu_kernels.bf16_fake_quantize``, BF16
+    with one scale; ``cpu_kernels.fp16_round``); per-channel scales and other devices: ``formats.floating``
+    without autograd. On a CPU Adam runs in one more C
     call (``cpu_steps.masked_adam``). :meth:`check` compares the values with the quantizers' outputs bit for bit
     before the first step.
 

@@ -955,11 +955,11 @@ def test_block_adaquant_step_refuses_what_it_does_not_cover():
     assert isinstance(adaquant_step(layer.weight_quantizer, layer.weight)[0], AdaQuantStep)
 
 
-@pytest.mark.parametrize("config,kernels", [("BF16", "c"), ("BF16", "torch"), ("FP16", "torch")])
+@pytest.mark.parametrize("config,kernels", [("BF16", "c"), ("BF16", "torch"), ("FP16", "c"), ("FP16", "torch")])
 def test_float_adaquant_step_equals_autograd(monkeypatch, config, kernels):
     """FloatAdaQuantStep gives the BF16 / FP16 quantizers' own weight (and bias) bits, with special values in the
     weight, and autograd's straight-through gradients (BF16: 1 everywhere; FP16: 0 where a finite value was
-    clipped to +-65504), BF16 with the C values and with formats.floating's."""
+    clipped to +-65504), with the C values (and FP16's C mask) and with formats.floating's."""
     from qtorch_onnx import cpu_kernels
     from qtorch_onnx.algorithms.adaquant import FloatAdaQuantStep, adaquant_step
 
