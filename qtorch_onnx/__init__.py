@@ -56,8 +56,8 @@ _LAZY = {
 #: submodules reachable as attributes (``qtorch_onnx.formats``...), imported on first access; ``lift`` and
 #: ``export`` are also the names of public functions, which win (``qtorch_onnx.lift`` is the function)
 _SUBMODULES = ("algorithms", "cache", "calibration", "cli", "config", "data", "distributed", "errors", "fakequant",
-               "formats", "interop", "metrics", "model", "model_quantizer", "observers", "ops", "placement", "precision", "quantizer",
-               "runtime", "training", "zoo", "triton_kernels")
+               "formats", "interop", "metrics", "model", "model_quantizer", "observers", "ops", "placement", "precision",
+               "quantizer", "runtime", "training", "zoo", "triton_kernels")
 
 __all__ = [
     "CalibrationMethod", "Config", "ExtendedQuantFormat", "ExtendedQuantType", "PowerOfTwoMethod", "QuantFormat",

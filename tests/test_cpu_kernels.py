@@ -403,19 +403,13 @@ def test_bf16_equals_scaled_bf16_property(values, scale):
     _check_bf16(torch.tensor(values, dtype=torch.float32), scale)
 
 
-def test_bf16_quantizer_uses_it_in_evaluation_only(monkeypatch):
-    """A BF16 Q/DQ quantizer on a CPU takes the kernel without gradient (scaled_bf16's bits), the straight-through
-    path with a gradient wanted, and the threads split gives the same bits."""
-    from qtorch_onnx.formats.floating import scaled_bf16
-    from qtorch_onnx.formats.spec import BF16
-
-    x = torch.randn(cpu_kernels.PARALLEL_MIN + 4099, generator=torch.Generator().manual_seed(12)) * 1e3
+def _evaluation_takes_the_kernel(monkeypatch, kernel: str, fq, x, ref):
+    """``fq(x)`` without gradient calls ``cpu_kernels.<kernel>`` and gives ``ref``'s bits on one thread and on
+    three (the split); with a gradient wanted it keeps the torch path (same bits, no call). Returns the gradient of
+    ``fq(x).sum()`` and the unpatched kernel."""
     calls = []
-    real = cpu_kernels.bf16_fake_quantize
-    monkeypatch.setattr(cpu_kernels, "bf16_fake_quantize", lambda *a: calls.append(1) or real(*a))
-    fq = FakeQuantize(BF16, tensor_name="act")
-    fq.fake_quant_enabled = True
-    ref = scaled_bf16(x, fq.scale, form="qdq")
+    real = getattr(cpu_kernels, kernel)
+    monkeypatch.setattr(cpu_kernels, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
@@ -429,7 +423,21 @@ def test_bf16_quantizer_uses_it_in_evaluation_only(monkeypatch):
     y = fq(xr)
     assert torch.equal(_bits(y.detach()), _bits(ref)) and calls == [1, 1]
     y.sum().backward()
-    assert bool((xr.grad == 1).all())  # BF16 never saturates: the gradient passes everywhere
+    return xr.grad, real
+
+
+def test_bf16_quantizer_uses_it_in_evaluation_only(monkeypatch):
+    """A BF16 Q/DQ quantizer on a CPU takes the kernel without gradient (scaled_bf16's bits), the straight-through
+    path with a gradient wanted, and the threads split gives the same bits."""
+    from qtorch_onnx.formats.floating import scaled_bf16
+    from qtorch_onnx.formats.spec import BF16
+
+    x = torch.randn(cpu_kernels.PARALLEL_MIN + 4099, generator=torch.Generator().manual_seed(12)) * 1e3
+    fq = FakeQuantize(BF16, tensor_name="act")
+    fq.fake_quant_enabled = True
+    grad, real = _evaluation_takes_the_kernel(monkeypatch, "bf16_fake_quantize", fq, x,
+                                              scaled_bf16(x, fq.scale, form="qdq"))
+    assert bool((grad == 1).all())  # BF16 never saturates: the gradient passes everywhere
     with pytest.raises(ValueError, match="contiguous float32 CPU tensor"):
         real(torch.zeros(4, 4).t(), 1.0)
 
@@ -467,23 +475,7 @@ def test_fp16_quantizer_uses_it_in_evaluation_only(monkeypatch):
     from qtorch_onnx.formats.spec import FP16
 
     x = torch.randn(cpu_kernels.PARALLEL_MIN + 4099, generator=torch.Generator().manual_seed(14)) * 3e4
-    calls = []
-    real = cpu_kernels.fp16_round
-    monkeypatch.setattr(cpu_kernels, "fp16_round", lambda *a, **k: calls.append(1) or real(*a, **k))
     fq = FakeQuantize(FP16, tensor_name="act")
     fq.fake_quant_enabled = True
-    ref = fp16_round(x)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                assert torch.equal(_bits(fq(x)), _bits(ref))
-    finally:
-        torch.set_num_threads(before)
-    assert calls == [1, 1]
-    xr = x.clone().requires_grad_()
-    y = fq(xr)
-    assert torch.equal(_bits(y.detach()), _bits(ref)) and calls == [1, 1]
-    y.sum().backward()
-    assert (xr.grad == 0).any() and (xr.grad == 1).any()  # clipped values get no gradient
+    grad, _ = _evaluation_takes_the_kernel(monkeypatch, "fp16_round", fq, x, fp16_round(x))
+    assert (grad == 0).any() and (grad == 1).any()  # clipped values get no gradient

@@ -226,7 +226,7 @@ class _FloatTensor:
       (``cpu_kernels.fp16_round``), else ``formats.floating.fp16_round`` (clip to +-65504, round to float16); the
       mask is 0 where a finite value was clipped.
 
-    No autograd. On a CPU the mask is float32 (``cpu_steps.masked_adam`` takes it), elsewhere bool."""
+    No autograd. With the C calls the mask is float32 (``cpu_steps.masked_adam`` takes it), elsewhere bool."""
 
     def __init__(self, fq, t: torch.Tensor) -> None:
         from .. import cpu_kernels
@@ -235,13 +235,14 @@ class _FloatTensor:
         self.kind = fq.fmt.kind
         self.scale = fq.scale.detach()
         self.axis = fq.axis if self.scale.dim() > 0 else None
-        self.fused = (self.kind == "BF16" and self.scale.dim() == 0 and self.scale.dtype == torch.float32
-                      and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                      and cpu_kernels.available())
-        self._cpu = t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        self._c_fp16 = self.kind == "FP16" and self._cpu and cpu_kernels.fp16_available()
-        self.fused = self.fused or self._c_fp16  # the values by a C call (and Adam in cpu_steps.masked_adam)
-        self._keep = torch.ones_like(t) if self._cpu else torch.ones_like(t, dtype=torch.bool)
+        cpu = t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        # the values (FP16: and the mask) by a C call, and Adam in cpu_steps.masked_adam
+        if self.kind == "FP16":
+            self.fused = cpu and cpu_kernels.fp16_available()
+        else:
+            self.fused = (cpu and self.scale.dim() == 0 and self.scale.dtype == torch.float32
+                          and cpu_kernels.available())
+        self._keep = torch.ones_like(t) if self.fused else torch.ones_like(t, dtype=torch.bool)
 
     @torch.no_grad()
     def values(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -249,21 +250,15 @@ class _FloatTensor:
         from ..formats import floating
 
         x = self.t.detach()
-        if self.kind == "FP16":
-            if self._cpu and self._c_fp16:  # values and mask in one C call
-                from .. import cpu_kernels
-
-                return cpu_kernels.fp16_round(x, keep=self._keep), self._keep
-            xf = x.to(torch.float32)
-            keep = (xf.abs() <= floating.FP16_MAX) | ~torch.isfinite(xf)
-            if self._cpu:  # float32 for cpu_steps.masked_adam
-                self._keep.copy_(keep)
-                keep = self._keep
-            return floating.fp16_round(xf), keep
         if self.fused:
             from .. import cpu_kernels
 
+            if self.kind == "FP16":
+                return cpu_kernels.fp16_round(x, keep=self._keep), self._keep
             return cpu_kernels.bf16_fake_quantize(x, float(self.scale)), self._keep
+        if self.kind == "FP16":
+            xf = x.to(torch.float32)
+            return floating.fp16_round(xf), (xf.abs() <= floating.FP16_MAX) | ~torch.isfinite(xf)
         return floating.scaled_bf16(x.to(torch.float32), self.scale, form="qdq", axis=self.axis), self._keep
 
 
@@ -292,25 +287,35 @@ class BlockAdaQuantStep:
         ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
     """
 
+    #: how one tensor's values and mask are computed (FloatAdaQuantStep: _FloatTensor)
+    _tensor_class = _BlockTensor
+
     def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
         why = self.unsupported(fq_w, weight, fq_b, bias)
         if why is not None:
-            raise ValueError(f"BlockAdaQuantStep: {why}")
+            raise ValueError(f"{type(self).__name__}: {why}")
         self.weight, self.bias = weight, bias
-        self._tensors = [_BlockTensor(fq_w, weight)] + ([_BlockTensor(fq_b, bias)] if bias is not None else [])
+        make = self._tensor_class
+        self._tensors = [make(fq_w, weight)] + ([make(fq_b, bias)] if bias is not None else [])
         self._saved: Optional[List[torch.Tensor]] = None
 
-    @staticmethod
-    def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
+    @classmethod
+    def unsupported(cls, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why this layer cannot take the written-out step (a short reason), or None when it can."""
         for what, fq, t in (("weight", fq_w, weight), ("bias", fq_b, bias)):
-            if t is None:
-                continue
-            fmt = getattr(fq, "fmt", None)
-            if fq is None or getattr(getattr(fmt, "family", None), "name", None) not in ("bfp", "mx"):
-                return f"{what} format {getattr(fmt, 'name', None)} (the step covers the block formats: BFP, MX)"
-            if fq.rounding is not None or t.dtype != torch.float32:
-                return f"{what}: a rounding hook, or not float32"
+            why = cls._why_not(what, fq, t) if t is not None else None
+            if why is not None:
+                return why
+        return None
+
+    @staticmethod
+    def _why_not(what: str, fq, t: torch.Tensor) -> Optional[str]:
+        """Why the tensor ``t`` (the layer's ``what``) and its quantizer ``fq`` are not covered, or None."""
+        fmt = getattr(fq, "fmt", None)
+        if fq is None or getattr(getattr(fmt, "family", None), "name", None) not in ("bfp", "mx"):
+            return f"{what} format {getattr(fmt, 'name', None)} (the step covers the block formats: BFP, MX)"
+        if fq.rounding is not None or t.dtype != torch.float32:
+            return f"{what}: a rounding hook, or not float32"
         return None
 
     @torch.no_grad()
@@ -362,36 +367,26 @@ class FloatAdaQuantStep(BlockAdaQuantStep):
 
     On a CPU the values (FP16: and the mask) in one C call per tensor (``cpu_kernels.bf16_fake_quantize``, BF16
     with one scale; ``cpu_kernels.fp16_round``); per-channel scales and other devices: ``formats.floating``
-    without autograd. On a CPU Adam runs in one more C
-    call (``cpu_steps.masked_adam``). :meth:`check` compares the values with the quantizers' outputs bit for bit
-    before the first step.
+    without autograd. On a CPU Adam runs in one more C call (``cpu_steps.masked_adam``). :meth:`check` compares the
+    values with the quantizers' outputs bit for bit before the first step.
 
     Raises:
         ValueError: a quantizer / tensor not covered (check :meth:`unsupported` first).
     """
 
-    def __init__(self, fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> None:
-        why = self.unsupported(fq_w, weight, fq_b, bias)
-        if why is not None:
-            raise ValueError(f"FloatAdaQuantStep: {why}")
-        self.weight, self.bias = weight, bias
-        self._tensors = [_FloatTensor(fq_w, weight)] + ([_FloatTensor(fq_b, bias)] if bias is not None else [])
-        self._saved = None
+    _tensor_class = _FloatTensor
 
     @staticmethod
-    def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
-        """Why this layer cannot take the written-out step (a short reason), or None when it can."""
-        for what, fq, t in (("weight", fq_w, weight), ("bias", fq_b, bias)):
-            if t is None:
-                continue
-            fmt = getattr(fq, "fmt", None)
-            kind = getattr(fmt, "kind", None)
-            if fq is None or kind not in ("BF16", "FP16") or getattr(fq, "float_form", None) != "qdq":
-                return f"{what} format {getattr(fmt, 'name', None)} (this step covers BF16 / FP16 in the Q/DQ form)"
-            if fq.rounding is not None or fq.learnable or t.dtype != torch.float32:
-                return f"{what}: a rounding hook, a learnable scale, or not float32"
-            if kind == "FP16" and not (fq.scale.numel() == 1 and float(fq.scale) == 1.0):
-                return f"{what}: an FP16 Q/DQ quantizer with a scale (its forward refuses it)"
+    def _why_not(what: str, fq, t: torch.Tensor) -> Optional[str]:
+        """Why the tensor ``t`` (the layer's ``what``) and its quantizer ``fq`` are not covered, or None."""
+        fmt = getattr(fq, "fmt", None)
+        kind = getattr(fmt, "kind", None)
+        if fq is None or kind not in ("BF16", "FP16") or getattr(fq, "float_form", None) != "qdq":
+            return f"{what} format {getattr(fmt, 'name', None)} (this step covers BF16 / FP16 in the Q/DQ form)"
+        if fq.rounding is not None or fq.learnable or t.dtype != torch.float32:
+            return f"{what}: a rounding hook, a learnable scale, or not float32"
+        if kind == "FP16" and not (fq.scale.numel() == 1 and float(fq.scale) == 1.0):
+            return f"{what}: an FP16 Q/DQ quantizer with a scale (its forward refuses it)"
         return None
 
 

@@ -47,7 +47,7 @@ def reference_twin(qm, model):
     ``onnx.ModelProto``, not modified) prepared with ``qm``'s configuration, so that it goes through the same
     normalization, BatchNormalization folding, rewrites and placement, then with fake quantization off, in eval
     mode, on ``qm``'s device. The reconstruction targets are its outputs (e.g. a teacher with the float model's
-    structure and other weights) instead of ``qm``'s own float weights'.
+    structure and other weights) instead of ``qm``'s own float weights.
 
     Raises:
         ConfigError: the reference's lifted graph differs from ``qm``'s (another node, op or order, or a parameter
@@ -112,8 +112,9 @@ class _Spill:
         if not isinstance(value, torch.Tensor) or self.level == 0:
             return value
         if self.level == 1:
-            if value.is_cuda and self.pin_memory:  # page-locked host memory: an asynchronous copy, several times the bandwidth of
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)  # pageable memory's
+            if value.is_cuda and self.pin_memory:
+                # page-locked host memory: an asynchronous copy, several times the bandwidth of pageable memory's
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
                 return host.copy_(value, non_blocking=True)  # (the stream orders the copy back after it)
             return value.to("cpu")
         self.count += 1

@@ -148,13 +148,12 @@ FAST_FINETUNE_KEYS = ("OptimAlgorithm", "NumIterations", "LearningRate", "BatchS
                       "WarmStart", "DropRatio", "TargetOpType", "SelectiveUpdate", "NumBatches", "LRAdjust",
                       "OutputQDQ", "LogPeriod", "MemOptLevel", "OutputIndex", "BlockRecon", "RefModelPath",
                       "CacheDir", "PinMemory")
-FAST_FINETUNE_NOT_SUPPORTED = frozenset({"SelectMaxMemLayer", "NumWorkers",
-                                         "UseGDS", "DynamicBatch", "Parallel"})
-#: values of the unsupported FastFinetune keys that ask for nothing (the feature off, as here): Quark 0.13's
-#: AdaRoundConfig / AdaQuantConfig write these defaults into every FastFinetune dict they build, so they are
+#: the unsupported FastFinetune keys, each with its values that ask for nothing (the feature off, as here): Quark
+#: 0.13's AdaRoundConfig / AdaQuantConfig write these defaults into every FastFinetune dict they build, so they are
 #: accepted; any other value is an UnsupportedFeatureError. NumWorkers 0 and 1 both mean no worker processes.
 FAST_FINETUNE_INERT_VALUES = {"SelectMaxMemLayer": (False,), "NumWorkers": (0, 1), "UseGDS": (False,),
                               "DynamicBatch": (False,), "Parallel": (False,)}
+FAST_FINETUNE_NOT_SUPPORTED = frozenset(FAST_FINETUNE_INERT_VALUES)
 
 AUTO_MP_KEYS = ("TargetOpType", "TargetQuantType", "ActTargetQuantType", "WeightTargetQuantType", "OutputIndex",
                 "L2Target", "Top1AccTarget", "EvaluateFunction", "DualQuantNodes")
@@ -762,16 +761,24 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
     )
 
 
+def _path(value: Any, where: str, what: str) -> Optional[str]:
+    """None, or ``value`` (str / os.PathLike) as a str; else a ConfigError naming ``where`` and ``what`` it should
+    be ("a folder path", "the path of an ONNX model")."""
+    if value is None:
+        return None
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{where} must be {what} (str or os.PathLike) or None, got {value!r} "
+                          f"({type(value).__name__})")
+    return os.fspath(value)
+
+
 def _cache_dir(value: Any, mem_opt_level: int, where: str) -> Optional[str]:
     """CacheDir: None, or a folder path (str / os.PathLike) for MemOptLevel 2's spilled activations: an existing
     folder or one that can be created there (not an existing file). With another MemOptLevel nothing is written
     to disk, so the key cannot apply: an error, where Quark 0.13 ignores it."""
-    if value is None:
+    path = _path(value, where, "a folder path")
+    if path is None:
         return None
-    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{where} must be a folder path (str or os.PathLike) or None, got {value!r} "
-                          f"({type(value).__name__})")
-    path = os.fspath(value)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{where}: {path!r} exists and is not a folder; give a folder for the spilled activations")
     if mem_opt_level != 2:
@@ -783,12 +790,9 @@ def _cache_dir(value: Any, mem_opt_level: int, where: str) -> Optional[str]:
 def _ref_model_path(value: Any, where: str) -> Optional[str]:
     """RefModelPath: None, or the path (str / os.PathLike) of an existing ONNX file. Quark 0.13 silently falls
     back to the float model for a path that does not exist; here that is an error."""
-    if value is None:
+    path = _path(value, where, "the path of an ONNX model")
+    if path is None:
         return None
-    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"{where} must be the path of an ONNX model (str or os.PathLike) or None, got {value!r} "
-                          f"({type(value).__name__})")
-    path = os.fspath(value)
     if not os.path.isfile(path):
         raise ConfigError(f"{where}: no file at {path!r}; give the path of the reference (float) ONNX model whose "
                           "outputs the finetuned layers reconstruct, or leave the key out to use the float model")

@@ -883,6 +883,37 @@ def test_bfp_adaquant_step_equals_autograd(monkeypatch, kernels):
         b.requires_grad_(False)
 
 
+def _trained_bias(layer):
+    """``(bias quantizer, bias)`` of ``layer`` when it has a quantized bias (AdaQuant trains it), else
+    ``(None, None)``."""
+    if layer.bias is None or layer.bias_quantizer is None:
+        return None, None
+    return layer.bias_quantizer, layer.bias
+
+
+def _assert_step_is_autograds(layer, step, bias, gen):
+    """The written-out step's values are the layer's quantizers' outputs bit for bit (:meth:`check` too) and its
+    gradients autograd's straight-through ones for a random upstream gradient, for the weight and ``bias`` (None
+    when the bias is not trained); the parameters are left without ``requires_grad``."""
+    params = [layer.weight] + ([bias] if bias is not None else [])
+    up = [torch.randn(p.shape, generator=gen) for p in params]
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = None
+    quantized = [layer.module.weight] + ([layer.module.bias] if bias is not None else [])
+    sum((q * u).sum() for q, u in zip(quantized, up)).backward()
+    refs = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    assert step.check([q.detach() for q in quantized])
+    for v, q in zip(step.values(), quantized):
+        assert torch.equal(v.view(torch.int32), q.detach().view(torch.int32))
+    step.set_grads([u.clone() for u in up])
+    for p, r in zip(params, refs):
+        assert torch.equal(p.grad, r)
+        p.requires_grad_(False)
+
+
 @pytest.mark.parametrize("config", ["MX9", "MXINT8", "MXFP4E2M1", "MX6"])
 def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
     """BFP-prime (MX4/6/9) and OCP MX weights take the block step with their C values: the quantizers' bits,
@@ -892,30 +923,11 @@ def test_block_adaquant_step_on_bfp_prime_and_mx_equals_autograd(config):
     qm = _prepared(config)
     gen = torch.Generator().manual_seed(6)
     for layer in qm.layers():
-        fq_w, w = layer.weight_quantizer, layer.weight
-        fq_b = layer.bias_quantizer if layer.bias is not None and layer.bias_quantizer is not None else None
-        b = layer.bias if fq_b is not None else None
-        step, why = adaquant_step(fq_w, w, fq_b, b)
+        fq_b, b = _trained_bias(layer)
+        step, why = adaquant_step(layer.weight_quantizer, layer.weight, fq_b, b)
         assert isinstance(step, BlockAdaQuantStep), why
         assert all(t.fused for t in step._tensors)  # BFP-prime and OCP MX by their C calls
-        up = [torch.randn(t.shape, generator=gen) for t in ([w] + ([b] if b is not None else []))]
-        params = [w] + ([b] if b is not None else [])
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = None
-        quantized = [layer.module.weight] + ([layer.module.bias] if b is not None else [])
-        sum((q * u).sum() for q, u in zip(quantized, up)).backward()
-        refs = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        assert step.check([q.detach() for q in quantized])
-        vals = step.values()
-        for v, q in zip(vals, quantized):
-            assert torch.equal(v.view(torch.int32), q.detach().view(torch.int32))
-        step.set_grads([u.clone() for u in up])
-        for p, r in zip(params, refs):
-            assert torch.equal(p.grad, r)
-            p.requires_grad_(False)
+        _assert_step_is_autograds(layer, step, b, gen)
 
 
 def test_block_adaquant_step_refuses_what_it_does_not_cover():
@@ -968,31 +980,13 @@ def test_float_adaquant_step_equals_autograd(monkeypatch, config, kernels):
     qm = _prepared(config)
     gen = torch.Generator().manual_seed(7)
     for layer in qm.layers():
-        fq_w, w = layer.weight_quantizer, layer.weight
-        fq_b = layer.bias_quantizer if layer.bias is not None and layer.bias_quantizer is not None else None
-        b = layer.bias if fq_b is not None else None
-        step, why = adaquant_step(fq_w, w, fq_b, b)
+        fq_b, b = _trained_bias(layer)
+        step, why = adaquant_step(layer.weight_quantizer, layer.weight, fq_b, b)
         assert isinstance(step, FloatAdaQuantStep), why
         assert all(t.fused == (kernels == "c") for t in step._tensors)
         with torch.no_grad():  # a tie, a subnormal, a negative zero, one clipped by FP16: the rounding cases
-            w.view(-1)[:4] = torch.tensor([1.0 + 2.0 ** -8, 1e-40, -0.0, 7e4])
-        params = [w] + ([b] if b is not None else [])
-        up = [torch.randn(p.shape, generator=gen) for p in params]
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = None
-        quantized = [layer.module.weight] + ([layer.module.bias] if b is not None else [])
-        sum((q * u).sum() for q, u in zip(quantized, up)).backward()
-        refs = [p.grad.clone() for p in params]
-        for p in params:
-            p.grad = None
-        assert step.check([q.detach() for q in quantized])
-        for v, q in zip(step.values(), quantized):
-            assert torch.equal(v.view(torch.int32), q.detach().view(torch.int32))
-        step.set_grads([u.clone() for u in up])
-        for p, r in zip(params, refs):
-            assert torch.equal(p.grad, r)
-            p.requires_grad_(False)
+            layer.weight.view(-1)[:4] = torch.tensor([1.0 + 2.0 ** -8, 1e-40, -0.0, 7e4])
+        _assert_step_is_autograds(layer, step, b, gen)
 
 
 @pytest.mark.parametrize("config", ["BF16", "FP16"])
