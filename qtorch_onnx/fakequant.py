@@ -20,8 +20,15 @@ scales) and an asymmetric zero point (LSQ+) into parameters; :meth:`FakeQuantize
 nearest rounding of an integer weight by a :class:`WeightRounding` (AdaRound plugs in here); INT32 bias
 scales are derived from the live input and weight scales (:meth:`FakeQuantize.set_bias_sources`).
 Block formats dispatch to the Triton kernels on CUDA when available (see ``backend``).
+
+A third switch is per thread and covers every quantizer at once: inside :func:`quantization_off` each
+:class:`FakeQuantize` and :class:`ParamQuantizer` passes its input through and touches no state, so the
+quantized model's own modules compute the float model (the layer-wise algorithms' float reference pass).
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,6 +41,29 @@ from .formats import floating as _floating
 from .formats import integer as _integer
 from .formats.spec import BFPFormat, Format, check_family_table
 from .placement import edge_key
+
+_SWITCH = threading.local()
+
+
+@contextlib.contextmanager
+def quantization_off():
+    """Within this context, on the calling thread, every :class:`FakeQuantize` and :class:`ParamQuantizer`
+    returns its input unchanged: no observer update, no qparam refresh, no fake quantization, no override. A
+    prepared model then computes its float model with its own modules and parameters (the float values the
+    quantizers read), which is what :class:`qtorch_onnx.algorithms.reconstruction.StagedExecutor` runs its float
+    reference pass with instead of a float copy of the model. Other threads are unaffected; nests; the previous
+    state comes back on exit, on errors too."""
+    previous = getattr(_SWITCH, "off", False)
+    _SWITCH.off = True
+    try:
+        yield
+    finally:
+        _SWITCH.off = previous
+
+
+def quantization_is_off() -> bool:
+    """Whether the calling thread is inside :func:`quantization_off`."""
+    return getattr(_SWITCH, "off", False)
 
 ROLES = ("activation", "weight", "bias")
 MODES = ("float", "observe", "quantize")
@@ -645,8 +675,9 @@ class FakeQuantize(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Observe (when enabled) and fake-quantize (when enabled and calibrated) ``x``; any shape and float
-        dtype (float16/bfloat16 are computed in float32 and cast back); integer tensors pass through."""
-        if not x.is_floating_point():
+        dtype (float16/bfloat16 are computed in float32 and cast back); integer tensors pass through, and every
+        tensor inside :func:`quantization_off`."""
+        if not x.is_floating_point() or getattr(_SWITCH, "off", False):
             return x
         if self.observer_enabled:
             if self.role == "activation":
@@ -748,6 +779,8 @@ class ParamQuantizer(nn.Module):
         self.override: Optional[torch.Tensor] = None
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if getattr(_SWITCH, "off", False):  # quantization_off: the float parameter itself
+            return w
         if self.override is not None:
             return self.override
         return self.fq(w)

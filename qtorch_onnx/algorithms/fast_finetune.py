@@ -46,7 +46,7 @@ from ..precision import float32_exact
 from .adaquant import adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
-                             in_graph_order, reference_twin, sample_count)
+                             in_graph_order, reference_twin, sample_count, shared_float_pass_conflict)
 from .reporting import save_before_after
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
@@ -348,20 +348,25 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
                                                                     for k, v in asdict(s).items()},
                             device=str(device), samples=n_samples)
-    # the float reference: qm's own float weights, or the RefModelPath model's
-    qf = float_twin(qm) if s.ref_model_path is None else reference_twin(qm, s.ref_model_path)
+    nodes, targets = in_graph_order(qm, targets)
+    # the float reference: the RefModelPath model; else qm's own modules with quantization off (no copy of the
+    # model), or a float copy where a node reads what a finetuned layer changes (shared modules or initializers)
+    if s.ref_model_path is not None:
+        f_gm = reference_twin(qm, s.ref_model_path).gm
+    else:
+        conflict = shared_float_pass_conflict(qm.gm, [(nodes[l.name], l.module, (l.weight, l.bias)) for l in targets])
+        f_gm = qm.gm if conflict is None else float_twin(qm).gm
     requires = {p: p.requires_grad for p in qm.parameters()}
     for p in requires:
         p.requires_grad_(False)
     was_training = qm.training
     qm.eval()
     chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
-    ex = StagedExecutor(qm.gm, qf.gm, chunks, device, s.mem_opt_level, fast_convs=True, cache_dir=s.cache_dir,
+    ex = StagedExecutor(qm.gm, f_gm, chunks, device, s.mem_opt_level, fast_convs=True, cache_dir=s.cache_dir,
                         pin_memory=s.pin_memory)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 
-    nodes, targets = in_graph_order(qm, targets)
     units = _blocks(ex, nodes, targets, op_of) if granularity == "block" else [(l, None, None) for l in targets]
     bar = tqdm(units, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
     try:

@@ -10,6 +10,7 @@ values move to host memory or to disk (``mem_opt_level``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -22,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from ..errors import ConfigError, DataError
+from ..fakequant import quantization_off
 from .gemm import ONEDNN_MIN_MACS, matmul_nt
 
 __all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "DirectLayerLoss", "activation_clamp", "float_twin",
@@ -40,6 +42,59 @@ def float_twin(qm):
         if hasattr(m, "fake_quant_enabled"):
             m.fake_quant_enabled = False
     return qf.eval()
+
+
+def shared_float_pass_conflict(gm: fx.GraphModule, trained: Sequence[Tuple[fx.Node, nn.Module, Sequence[Any]]]
+                               ) -> Optional[str]:
+    """Why the float reference pass cannot run through ``gm``'s own modules with quantization off
+    (``StagedExecutor(gm, gm, ...)``), or None when it can.
+
+    The staged passes compute a node's float output before any layer at or after it is trained, and a layer's
+    training changes only its own tensors (the float weight and bias AdaQuant trains, the weight AdaRound writes
+    back, the quantizers the float pass skips). The float pass is then exact unless a node after a trained layer
+    reads one of that layer's tensors: through a module called from two nodes, or through an initializer shared
+    between nodes (a cached constant aliases the parameter, so its consumers would see the trained value).
+
+    Args:
+        gm: the prepared model's graph module.
+        trained: ``(fx node, module or None, extra tensors)`` per layer the algorithm may change (extra: its
+            weight and bias parameters).
+
+    Returns:
+        None, or a sentence naming the node and the layer whose tensor it reads.
+    """
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    const: Dict[fx.Node, bool] = {}
+    for n in nodes:
+        const[n] = n.op != "placeholder" and all(const[a] for a in n.all_input_nodes)
+
+    def own(n: fx.Node) -> set:
+        obj = None
+        if n.op == "call_module":
+            obj = gm.get_submodule(str(n.target))
+        elif n.op == "get_attr":
+            obj = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+        if isinstance(obj, torch.Tensor):
+            return {id(obj)}
+        if isinstance(obj, nn.Module):
+            return {id(t) for t in itertools.chain(obj.parameters(), obj.buffers())}
+        return set()
+
+    reads: Dict[fx.Node, set] = {}
+    for n in nodes:  # a node's own tensors and those its constant inputs alias (their cached values)
+        reads[n] = own(n).union(*(reads[a] for a in n.all_input_nodes if const[a]))
+    for node, module, extra in trained:
+        ids = {id(t) for t in extra if t is not None}
+        if module is not None:
+            ids |= {id(t) for t in itertools.chain(module.parameters(), module.buffers())}
+        for n in nodes[order[node] + 1:]:
+            if reads[n] & ids:
+                return (f"fx node {n.name!r} reads a tensor of the finetuned layer at {node.name!r} after it is "
+                        "trained (a module or initializer shared between nodes)")
+    return None
 
 
 def reference_twin(qm, model):
@@ -220,7 +275,10 @@ class StagedExecutor:
 
     Args:
         q_gm / f_gm: the quantized module's graph (changed by the algorithm) and the float reference (same
-            graph structure, same node names); ``f_gm=None`` runs the quantized graph alone (no float targets).
+            graph structure, same node names); ``f_gm=None`` runs the quantized graph alone (no float targets);
+            ``f_gm is q_gm`` runs the float pass through the quantized modules inside
+            :func:`qtorch_onnx.fakequant.quantization_off` (no float copy of the model; exact only while no node
+            reads what the algorithm has changed when its float step runs: :func:`shared_float_pass_conflict`).
         chunks: input batches, each a tuple of tensors in placeholder order (already on ``device``).
         device: compute device. mem_opt_level: 0 keep cached values on ``device`` (moved to the host past
             ``budget_bytes``), 1 keep them in host memory, 2 on disk (a temporary folder, inside ``cache_dir``
@@ -270,6 +328,7 @@ class StagedExecutor:
         self.pos = 0
         self._q_interp = fx.Interpreter(q_gm)
         self._f_interp = fx.Interpreter(f_gm) if f_gm is not None else None
+        self._float_pass = quantization_off if f_gm is q_gm else contextlib.nullcontext
 
     def _fn_interp(self) -> fx.Interpreter:
         """One Interpreter of the quantized graph for every layer / block function (building one walks the
@@ -323,8 +382,9 @@ class StagedExecutor:
                                                     for c in range(n_chunks)])
             if float_too and self.f_gm is not None:
                 fnode = self.f_by_name[node.name]
-                self._store(self.f_env, node.name, [self._run(self._f_interp, self.f_env, fnode, c)
-                                                    for c in range(n_chunks)])
+                with self._float_pass():
+                    self._store(self.f_env, node.name, [self._run(self._f_interp, self.f_env, fnode, c)
+                                                        for c in range(n_chunks)])
 
     def release_inputs(self, node: fx.Node, position: int) -> None:
         for a in node.all_input_nodes:

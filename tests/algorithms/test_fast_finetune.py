@@ -1132,6 +1132,99 @@ def test_float_twin_copies_the_weights_and_shares_what_it_only_reads():
         assert torch.equal(qf(x), ref)
 
 
+def _spy_float_pass(monkeypatch):
+    """A list that records, per StagedExecutor built, whether its float pass runs through the quantized modules."""
+    from qtorch_onnx.algorithms import reconstruction
+
+    shared, init = [], reconstruction.StagedExecutor.__init__
+
+    def spy(self, q_gm, f_gm, *a, **k):
+        shared.append(f_gm is q_gm)
+        init(self, q_gm, f_gm, *a, **k)
+
+    monkeypatch.setattr(reconstruction.StagedExecutor, "__init__", spy)
+    return shared
+
+
+def _tied_matmuls():
+    """x [1, 8] -> MatMul(W) -> Relu -> MatMul(W): one initializer read by two layers."""
+    from onnx import TensorProto, helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32) * 0.3, "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["a"], name="mm1"), helper.make_node("Relu", ["a"], ["r"], name="relu"),
+         helper.make_node("MatMul", ["r", "W"], ["y"], name="mm2")], "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _tied_data(n=16):
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((1, 8)).astype(np.float32)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("model, config, algorithm", [("cnn", "A8W8", "adaquant"), ("residual", "A8W8", "adaround"),
+                                                      ("tokens", "A8W8", "adaquant"), ("cnn", "BFP16", "adaquant"),
+                                                      ("residual", "A8W8", "block")])
+def test_float_pass_through_the_quantized_modules_equals_the_float_copy(monkeypatch, model, config, algorithm):
+    """The float reference pass runs through the model's own modules with quantization off (no float copy of the
+    model): the same targets, losses and exported bytes as with the float copy, for trained weights and biases
+    (AdaQuant), written-back rounding (AdaRound) and blocks."""
+    from importlib import import_module
+
+    ff = import_module("qtorch_onnx.algorithms.fast_finetune")
+    make, data = {"cnn": (cnn, calib_data(16)), "residual": (residual_cnn, calib_data(16)),
+                  "tokens": (token_block, token_data(16))}[model]
+    kw = dict(algorithm="adaquant" if algorithm != "adaround" else "adaround", num_iterations=10, batch_size=2,
+              progress=False)
+    if algorithm == "block":
+        kw.update(algorithm="adaquant", granularity="block")
+    if kw["algorithm"] == "adaquant":
+        kw["update_bias"] = True
+    shared = _spy_float_pass(monkeypatch)
+    runs = []
+    for force_copy in (False, True):
+        with monkeypatch.context() as mp:
+            if force_copy:
+                mp.setattr(ff, "shared_float_pass_conflict", lambda gm, trained: "forced")
+            qm = _prepared(config, make(), data)
+            fast_finetune(qm, data, **kw)
+            runs.append((qo.export(qm, None).SerializeToString(),
+                         [(r.loss_before, r.loss_after) for r in qm.finetune_report.layers]))
+    assert shared == [True, False]
+    assert runs[0][1] == runs[1][1] and runs[0][0] == runs[1][0]
+
+
+def test_a_shared_initializer_keeps_the_float_copy(monkeypatch):
+    """Two layers reading one initializer: the second layer's float target must not see the first layer's
+    AdaQuant update, so the float pass runs on a float copy (shared_float_pass_conflict names the node); forcing
+    the shared pass there would change the targets."""
+    from importlib import import_module
+
+    from qtorch_onnx.algorithms.reconstruction import in_graph_order, shared_float_pass_conflict
+
+    ff = import_module("qtorch_onnx.algorithms.fast_finetune")
+    data = _tied_data()
+    qm = _prepared("A8W8", _tied_matmuls(), data)
+    nodes, layers = in_graph_order(qm, qm.layers(["MatMul"]))
+    assert layers[0].weight is layers[1].weight
+    why = shared_float_pass_conflict(qm.gm, [(nodes[l.name], l.module, (l.weight, l.bias)) for l in layers])
+    assert why is not None and "'mm2'" in why and "'mm1'" in why
+    shared = _spy_float_pass(monkeypatch)
+    before = {}
+    for label in ("guarded", "forced shared"):
+        with monkeypatch.context() as mp:
+            if label != "guarded":
+                mp.setattr(ff, "shared_float_pass_conflict", lambda gm, trained: None)
+            qm = _prepared("A8W8", _tied_matmuls(), data)
+            fast_finetune(qm, data, algorithm="adaquant", num_iterations=20, batch_size=2, learning_rate=0.05,
+                          progress=False)
+            before[label] = [r.loss_before for r in qm.finetune_report.layers]
+    assert shared == [False, True]
+    assert before["guarded"][0] == before["forced shared"][0] and before["guarded"][1] != before["forced shared"][1]
+
+
 def test_ref_model_path_gives_the_targets(tmp_path):
     """RefModelPath (Quark's key): the layers reconstruct the reference model's outputs. The float model itself
     as reference gives the same bytes as no reference; a reference with other weights gives other targets; a

@@ -136,6 +136,51 @@ def test_switches_and_calibrate_respects_them():
     assert torch.equal(y_float, float_model(x))
 
 
+def test_quantization_off_passes_every_quantizer_through():
+    """fakequant.quantization_off: inside it, on its thread only, the prepared model computes its float model
+    (every FakeQuantize and ParamQuantizer returns its input, an override included), feeds no observer and changes
+    no state; it nests and comes back on errors."""
+    import threading
+
+    from qtorch_onnx.fakequant import ParamQuantizer, quantization_is_off, quantization_off
+
+    qm = _prepared(cnn(), "A8W8", calib_data(8))
+    x = to_samples(calib_data(2, seed=5), qm.input_specs)[0][0]
+    with torch.no_grad():
+        quantized = qm(x)
+        with qo.fake_quant_disabled(qm):
+            floating = qm(x)
+        assert not torch.equal(quantized, floating)
+        for fq in qm.quantizers().values():  # observers on: nothing may reach them inside the switch
+            fq.set_mode("observe")
+        updates = []
+        for fq in qm.quantizers().values():
+            if fq.observer is not None:
+                fq.observer.update = lambda v, _u=updates: _u.append(v)
+        state = {k: v.clone() for k, v in qm.state_dict().items()}
+        pq = next(m for m in qm.modules() if isinstance(m, ParamQuantizer))
+        pq.override = torch.zeros(1)  # an override is not applied either
+        with quantization_off():
+            assert quantization_is_off() and torch.equal(qm(x), floating)
+            other = []
+            worker = threading.Thread(target=lambda: other.append(quantization_is_off()))
+            worker.start()
+            worker.join()
+            assert other == [False]  # the switch is the calling thread's
+        pq.override = None
+        assert not updates and all(torch.equal(v, state[k]) for k, v in qm.state_dict().items())
+        with pytest.raises(RuntimeError, match="inner"):
+            with quantization_off():
+                with quantization_off():
+                    pass
+                assert quantization_is_off()
+                raise RuntimeError("inner")
+        assert not quantization_is_off()
+        for fq in qm.quantizers().values():
+            fq.set_mode("quantize")
+        assert torch.equal(qm(x), quantized)
+
+
 def test_scale_state_updated_in_place():
     qm = _prepared(cnn(), "A8W8", calib_data(4))
     fq = qm.quantizers()["c2"]
