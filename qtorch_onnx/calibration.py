@@ -13,10 +13,12 @@ from .errors import DataError
 from .fakequant import FakeQuantize
 from .model import QuantizedModel
 from .placement import QuantSpec
+from .heap import large_tensor_heap
 from .precision import float32_exact
 
 
 @float32_exact()
+@large_tensor_heap()
 def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: bool = True,
               check_finite: bool = True) -> QuantizedModel:
     """Calibrate the activation quantizers of ``qm`` on ``data``.
@@ -45,7 +47,9 @@ def calibrate(qm: QuantizedModel, data: Any, *, batch_size: int = 8, progress: b
         ``qm`` (modified in place).
 
     On CUDA it runs with TF32 off (:class:`qtorch_onnx.float32_exact`: float32 convolutions and products as
-    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards.
+    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards. With
+    glibc, its heap keeps freed blocks of large tensors for reuse meanwhile
+    (:class:`qtorch_onnx.heap.large_tensor_heap`).
 
     Raises:
         DataError: empty data, wrong input names/shapes/dtypes, NaN/Inf in inputs or in an activation.

@@ -45,6 +45,7 @@ from torch import nn
 
 from .. import data as _data
 from ..errors import ConfigError
+from ..heap import large_tensor_heap
 from ..precision import float32_exact
 from .reconstruction import StagedExecutor, float_twin, in_graph_order, sample_count
 from .reporting import save_before_after
@@ -153,6 +154,7 @@ def _with_float_weight(fn, fq):
 
 
 @float32_exact()
+@large_tensor_heap()
 def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "weights",
                     op_types: Optional[Sequence[str]] = None, mem_opt_level: int = 0, progress: bool = True,
                     report_dir: Optional[str] = None):
@@ -177,7 +179,9 @@ def bias_correction(qm, data: Any, settings: Any = None, *, reference: str = "we
         ``qm``, with ``qm.bias_correction_report`` (:class:`BiasCorrectionReport`).
 
     On CUDA it runs with TF32 off (:class:`qtorch_onnx.float32_exact`: float32 convolutions and products as
-    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards.
+    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards. With
+    glibc, its heap keeps freed blocks of large tensors for reuse meanwhile
+    (:class:`qtorch_onnx.heap.large_tensor_heap`).
 
     Raises:
         ConfigError: a ``settings`` value that is not a bool, an unknown ``reference``, ``op_types`` given that

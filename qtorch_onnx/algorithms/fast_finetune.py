@@ -42,6 +42,7 @@ import torch
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
+from ..heap import large_tensor_heap
 from ..precision import float32_exact
 from .adaquant import adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
@@ -245,6 +246,7 @@ def _output_quantizer(qm, node):
 
 
 @float32_exact()
+@large_tensor_heap()
 def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[str] = None, progress: bool = True,
                   report_dir: Optional[str] = None, quadratic_loss: bool = True, manual_gradient: bool = True,
                   through_activation: Optional[bool] = None, granularity: Optional[str] = None,
@@ -311,7 +313,9 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
         ``qm``, with ``qm.finetune_report`` (:class:`FinetuneReport`).
 
     On CUDA it runs with TF32 off (:class:`qtorch_onnx.float32_exact`: float32 convolutions and products as
-    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards.
+    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards. With
+    glibc, its heap keeps freed blocks of large tensors for reuse meanwhile
+    (:class:`qtorch_onnx.heap.large_tensor_heap`).
 
     Raises:
         ConfigError: invalid settings (names the key), AdaRound on a non-integer weight, no matching layer,

@@ -50,6 +50,7 @@ import torch
 from .. import data as _data
 from ..errors import ConfigError
 from ..formats.spec import Format
+from ..heap import large_tensor_heap
 from ..precision import float32_exact
 
 __all__ = ["sensitivity", "auto_mixed_precision", "SensitivityReport", "MixedPrecisionPlan", "resolve_metric",
@@ -838,6 +839,7 @@ def _layer_entries(qm, names: Sequence[str], cands: Sequence[Tuple[Format, Forma
 
 
 @float32_exact()
+@large_tensor_heap()
 def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric: Union[str, Callable] = "l2",
                 evaluate_function: Optional[Callable] = None, output_index: Optional[int] = 0,
                 target_op_type: Sequence[str] = DEFAULT_TARGET_OPS, gradient: bool = True, progress: bool = True,
@@ -860,7 +862,9 @@ def sensitivity(qm, data: Any, candidates: Sequence[Any] = ("INT8",), *, metric:
         A :class:`SensitivityReport`.
 
     On CUDA it runs with TF32 off (:class:`qtorch_onnx.float32_exact`: float32 convolutions and products as
-    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards.
+    the CPU emulation and ONNX Runtime compute them); the caller's torch settings come back afterwards. With
+    glibc, its heap keeps freed blocks of large tensors for reuse meanwhile
+    (:class:`qtorch_onnx.heap.large_tensor_heap`).
 
     Raises:
         ConfigError: an unknown metric or format, an OutputIndex out of range, TargetOpType matching no layer.
@@ -1006,6 +1010,7 @@ class AutoMixedPrecisionResult:
 
 
 @float32_exact()
+@large_tensor_heap()
 def auto_mixed_precision(model, data: Any, *, wide: Any = "A16W8", narrow: Any = "INT8", target: Optional[float] = None,
                          metric: Union[str, Callable] = "l2", evaluate_function: Optional[Callable] = None,
                          output_index: Optional[int] = 0, target_op_type: Sequence[str] = DEFAULT_TARGET_OPS,
