@@ -153,22 +153,44 @@ def _validate(s: FastFinetuneSettings) -> None:
         _cache_dir(s.cache_dir, s.mem_opt_level, "FastFinetune CacheDir")
 
 
-def _device(spec: Optional[str], fallback: torch.device, key: str) -> torch.device:
+def _devices(spec: Optional[str], fallback: torch.device, key: str) -> List[torch.device]:
+    """The devices of an ``OptimDevice`` string: ``[fallback]`` for None; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` one;
+    ``"cuda:0,1"`` (``"hip:..."`` alike) several, the first being where the layers train.
+
+    Raises:
+        ConfigError: not a device, no CUDA here, an index past the devices there, or an index given twice."""
     if spec is None:
-        return fallback
-    first = spec.split(",")[0].strip()
-    if first.startswith("hip"):
-        first = "cuda" + first[3:]
-    try:
-        dev = torch.device(first)
-    except RuntimeError as exc:
-        raise ConfigError(f"FastFinetune {key} {spec!r} is not a device ({exc}); valid: 'cpu', 'cuda', 'cuda:N'") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"FastFinetune {key} {spec!r}: no CUDA device is available here; use 'cpu'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"FastFinetune {key} {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
+        return [fallback]
+    text = spec.strip()
+    if text.startswith("hip"):
+        text = "cuda" + text[3:]
+    head, _, rest = text.partition(",")
+    names = [head] + [f"cuda:{i.strip()}" for i in rest.split(",")] if rest else [head]
+    out = []
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except RuntimeError as exc:
+            raise ConfigError(f"FastFinetune {key} {spec!r} is not a device ({exc}); valid: 'cpu', 'cuda', 'cuda:N', "
+                              "'cuda:N,M,...'") from exc
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"FastFinetune {key} {spec!r}: no CUDA device is available here; use 'cpu'")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ConfigError(f"FastFinetune {key} {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        out.append(dev)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"FastFinetune {key} {spec!r} names a device twice; valid: distinct indices ('cuda:0,1')")
+    return out
+
+
+def _sync_layers(ex: StagedExecutor, layers) -> None:
+    """Copy what finetuning changed in ``layers`` (their modules, weight / bias quantizers and parameters) into the
+    executor's replicas on the other devices (a no-op with one device)."""
+    if len(ex.devices) < 2:
+        return
+    modules = [m for l in layers for m in (l.module, l.weight_quantizer, l.bias_quantizer) if m is not None]
+    ex.sync(modules, [p for l in layers for p in (l.weight, l.bias) if p is not None])
 
 
 def _rec_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -317,6 +339,13 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     glibc, its heap keeps freed blocks of large tensors for reuse meanwhile
     (:class:`qtorch_onnx.heap.large_tensor_heap`).
 
+    Devices (``OptimDevice``): the layers train on the first; with several GPUs (``"cuda:0,1"``) the staged
+    forward passes split the samples into at least one chunk per device and run each chunk on a replica of the
+    model on its device (:class:`~qtorch_onnx.algorithms.reconstruction.StagedExecutor`), the finetuned layers
+    copied into the replicas before they run again. The arithmetic per sample is that of one device; only the
+    chunks can be smaller (at least one per device, at most 16 samples as on one device), which can move a
+    batched convolution's rounding. Tested: the same exported bytes as one device with two replicas on a CPU.
+
     Raises:
         ConfigError: invalid settings (names the key), AdaRound on a non-integer weight, no matching layer,
             an unavailable device.
@@ -337,11 +366,9 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     if n_samples < s.batch_size:
         raise DataError(f"FastFinetune BatchSize {s.batch_size} exceeds the {n_samples} samples of the data; "
                         "give more data or a smaller BatchSize")
-    device = _device(s.optim_device if s.optim_device != "cpu" or qm.device.type == "cpu" else None, qm.device,
-                     "OptimDevice")
-    if "," in (s.optim_device or ""):
-        warnings.warn(f"FastFinetune OptimDevice {s.optim_device!r}: layers are reconstructed one after another on "
-                      f"{device}; the other devices are not used", stacklevel=2)
+    devices = _devices(s.optim_device if s.optim_device != "cpu" or qm.device.type == "cpu" else None, qm.device,
+                       "OptimDevice")
+    device = devices[0]
     targets = _targets(qm, s)
     # None: AdaQuant on integer weights only (per layer below); an explicit bool: every layer
     through = (s.optim_algorithm == "adaquant") if through_activation is None else bool(through_activation)
@@ -365,9 +392,11 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
         p.requires_grad_(False)
     was_training = qm.training
     qm.eval()
-    chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, 16)]
+    # several devices: at least one chunk of samples each (the staged passes run chunk by chunk on them)
+    per_chunk = 16 if len(devices) == 1 else max(1, min(16, -(-n_samples // len(devices))))
+    chunks = [tuple(t.to(device) for t in b) for b in _data.batches(samples, qm.input_specs, per_chunk)]
     ex = StagedExecutor(qm.gm, f_gm, chunks, device, s.mem_opt_level, fast_convs=True, cache_dir=s.cache_dir,
-                        pin_memory=s.pin_memory)
+                        pin_memory=s.pin_memory, devices=devices)
     report.stage_times["prepare"] = time.perf_counter() - t0
     from tqdm.auto import tqdm
 
@@ -379,6 +408,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             if start is not None:  # a block: layer is the list of its layers
                 ex.advance_to(block_nodes[0])
                 rec = _optimize_block(qm, ex, layer, start, block_nodes, s, index, progress, manual_gradient)
+                _sync_layers(ex, layer)
                 ex.finish_block(block_nodes)
             else:
                 node = nodes[layer.name]
@@ -389,6 +419,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
                 act = _following_activation(op_of, node) if through_here and not s.output_qdq else None
                 rec = _optimize_layer(qm, ex, layer, node, ld, s, index, progress, quadratic_loss, act,
                                       manual_gradient)
+                _sync_layers(ex, [layer])
                 ex.finish_layer(node)
                 del ld
             rec.seconds = time.perf_counter() - t_layer

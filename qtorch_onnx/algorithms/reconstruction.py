@@ -177,11 +177,13 @@ class _Spill:
         torch.save(value.detach().cpu(), path)
         return ("__spilled__", path)
 
-    def get(self, value):
+    def get(self, value, device: Optional[torch.device] = None):
+        """``value`` as a tensor on ``device`` (default: the compute device), read back from where it lives."""
+        device = self.device if device is None else device
         if isinstance(value, tuple) and len(value) == 2 and value[0] == "__spilled__":
-            return torch.load(value[1], map_location=self.device, weights_only=True)
-        if isinstance(value, torch.Tensor) and value.device != self.device:
-            return value.to(self.device, non_blocking=self.device.type == "cuda" and value.is_pinned())
+            return torch.load(value[1], map_location=device, weights_only=True)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            return value.to(device, non_blocking=device.type == "cuda" and value.is_pinned())
         return value
 
 
@@ -270,6 +272,12 @@ def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
     return None
 
 
+def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer at dotted path ``name`` of ``module``."""
+    parent, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(parent) if parent else module, attr)
+
+
 class StagedExecutor:
     """Runs a quantized GraphModule and its float twin node by node over chunks of samples.
 
@@ -291,6 +299,12 @@ class StagedExecutor:
             temporary folder.
         pin_memory: level 1 on CUDA: cache in page-locked host memory (asynchronous copies, several times the
             bandwidth of pageable memory); False: pageable memory. No effect elsewhere.
+        devices: several compute devices (``device`` first; ``OptimDevice="cuda:0,1"``): chunk ``c`` of the staged
+            passes runs on ``devices[c % len(devices)]`` with a replica of the graph modules there (deep copies,
+            made here), its values cached there at level 0, and :meth:`sync` copies what the algorithm changed into
+            the replicas before the changed layers run again. What the algorithm reads (:meth:`layer_data`,
+            :meth:`block_data`, the layer functions) is gathered on ``device``. None or one device: everything on
+            ``device``.
 
     Raises:
         DataError: the samples do not stack along dim 0 for a target layer (inputs of varying shapes).
@@ -299,14 +313,19 @@ class StagedExecutor:
     def __init__(self, q_gm: fx.GraphModule, f_gm: Optional[fx.GraphModule], chunks: Sequence[Tuple[torch.Tensor, ...]],
                  device: torch.device, mem_opt_level: int = 0, budget_bytes: int = 4 << 30,
                  what: str = "fast finetune", fast_convs: bool = False, cache_dir: Optional[str] = None,
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, devices: Optional[Sequence[torch.device]] = None) -> None:
         self.q_gm, self.f_gm = q_gm, f_gm
         self.what = what
         self.fast_convs = fast_convs
         self.q_nodes = list(q_gm.graph.nodes)
+        self._placeholder_index = {n.name: i for i, n in enumerate(n for n in self.q_nodes if n.op == "placeholder")}
         self.f_by_name = {n.name: n for n in f_gm.graph.nodes} if f_gm is not None else {}
-        self.chunks = list(chunks)
         self.device = device
+        # the devices that get chunks (round robin; the first is ``device``) and each chunk's device index
+        self.devices = [device] + [torch.device(d) for d in (devices or [])[1:]][:max(0, len(chunks) - 1)]
+        self.chunk_dev = [c % len(self.devices) for c in range(len(chunks))]
+        self.chunks = [tuple(t.to(self.devices[j]) for t in ch) if j else tuple(ch)
+                       for ch, j in zip(chunks, self.chunk_dev)]
         if mem_opt_level >= 2 and cache_dir is not None:
             os.makedirs(cache_dir, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="qtorch_ft_", dir=cache_dir) if mem_opt_level >= 2 else None
@@ -326,8 +345,14 @@ class StagedExecutor:
             for a in n.all_input_nodes:
                 self.last_use[a.name] = max(self.last_use.get(a.name, -1), order[n.name])
         self.pos = 0
-        self._q_interp = fx.Interpreter(q_gm)
-        self._f_interp = fx.Interpreter(f_gm) if f_gm is not None else None
+        # one graph module per device: the given ones, then replicas (deep copies) on the other devices
+        self.q_models = [q_gm] + [copy.deepcopy(q_gm).to(d) for d in self.devices[1:]]
+        if f_gm is None or f_gm is q_gm:
+            self.f_models = None if f_gm is None else self.q_models
+        else:
+            self.f_models = [f_gm] + [copy.deepcopy(f_gm).to(d) for d in self.devices[1:]]
+        self._q_interps = [fx.Interpreter(m) for m in self.q_models]
+        self._f_interps = [fx.Interpreter(m) for m in self.f_models] if self.f_models is not None else None
         self._float_pass = quantization_off if f_gm is q_gm else contextlib.nullcontext
 
     def _fn_interp(self) -> fx.Interpreter:
@@ -360,11 +385,20 @@ class StagedExecutor:
             self.cached_bytes -= sum(_nbytes(v) if not (isinstance(v, tuple) and v and v[0] == "__spilled__") else 0
                                      for v in vals)
 
-    def _run(self, interp: fx.Interpreter, env: Dict[str, List[Any]], node: fx.Node, chunk: int):
+    def _slot(self, name: str, chunk: int) -> int:
+        """Where chunk ``chunk``'s value of node ``name`` is in its env list: a constant has one per device."""
+        return self.chunk_dev[chunk] if self.const[name] else chunk
+
+    def _run(self, interps: List[fx.Interpreter], env: Dict[str, List[Any]], node: fx.Node, chunk: int):
+        """``node`` for chunk ``chunk`` (a constant: for that chunk's device) on the graph module of the chunk's
+        device. ``node`` is the given graph's node: a replica's interpreter runs it by its target, on the inputs
+        put in its env under the same nodes."""
+        j = self.chunk_dev[chunk]
         if node.op == "placeholder":
-            idx = [n for n in interp.module.graph.nodes if n.op == "placeholder"].index(node)
-            return self.chunks[chunk][idx]
-        interp.env = {a: self.spill.get(env[a.name][0 if self.const[a.name] else chunk]) for a in node.all_input_nodes}
+            return self.chunks[chunk][self._placeholder_index[node.name]]
+        interp = interps[j]
+        dev = self.devices[j]
+        interp.env = {a: self.spill.get(env[a.name][self._slot(a.name, chunk)], dev) for a in node.all_input_nodes}
         if self.fast_convs and node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
                 and node.args[0] in interp.env:
             out = _staged_conv(interp.module.get_submodule(str(node.target)), interp.env[node.args[0]])
@@ -373,18 +407,18 @@ class StagedExecutor:
         return interp.run_node(node)
 
     def step(self, node: fx.Node, *, quantized: bool = True, float_too: bool = True) -> None:
-        """Compute ``node`` for every chunk in both models (constants once) and free inputs used for the last
-        time."""
+        """Compute ``node`` for every chunk in both models (constants once per device) and free inputs used for
+        the last time."""
         with torch.no_grad():
-            n_chunks = 1 if self.const[node.name] else len(self.chunks)
+            # a constant: once per device, from the first chunk on it (chunk j is on device j for j < devices)
+            runs = range(len(self.devices)) if self.const[node.name] else range(len(self.chunks))
             if quantized:
-                self._store(self.q_env, node.name, [self._run(self._q_interp, self.q_env, node, c)
-                                                    for c in range(n_chunks)])
+                self._store(self.q_env, node.name, [self._run(self._q_interps, self.q_env, node, c) for c in runs])
             if float_too and self.f_gm is not None:
                 fnode = self.f_by_name[node.name]
                 with self._float_pass():
-                    self._store(self.f_env, node.name, [self._run(self._f_interp, self.f_env, fnode, c)
-                                                        for c in range(n_chunks)])
+                    self._store(self.f_env, node.name, [self._run(self._f_interps, self.f_env, fnode, c)
+                                                        for c in runs])
 
     def release_inputs(self, node: fx.Node, position: int) -> None:
         for a in node.all_input_nodes:
@@ -509,15 +543,78 @@ class StagedExecutor:
         data.target = self._stack(self.f_env, nodes[-1].name)
         return data
 
+    def sync(self, modules: Sequence[nn.Module] = (), parameters: Sequence[torch.Tensor] = ()) -> None:
+        """Copy into every replica (``devices``) what the algorithm changed in the given graph module: ``modules``
+        (submodules of it, each replaced by a deep copy, its quantizers, rounding hooks and parametrizations
+        included, that shares every other object with the replica's own) and ``parameters`` (parameters or
+        buffers of it outside those modules, copied in place). A no-op with one device."""
+        if len(self.q_models) < 2:
+            return
+        gm = self.q_gm
+        inside = set()
+        for m in modules:
+            inside |= {id(x) for x in itertools.chain(m.modules(), m.parameters(), m.buffers())}
+        paths = [(name, m) for name, m in gm.named_modules(remove_duplicate=False)]
+        tensors = list(itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False)))
+        wanted = {id(m) for m in modules}
+        changed = {id(p) for p in parameters}
+        with torch.no_grad():
+            for replica, dev in zip(self.q_models[1:], self.devices[1:]):
+                theirs = dict(replica.named_modules(remove_duplicate=False))
+                memo = {id(m): theirs[name] for name, m in paths if id(m) not in inside}
+                for name, t in tensors:
+                    if id(t) not in inside:
+                        memo[id(t)] = _get_tensor(replica, name)
+                copies = {}
+                for m in modules:
+                    if id(m) not in copies:
+                        copies[id(m)] = copy.deepcopy(m, memo).to(dev)
+                for name, m in paths:  # parents first: a copy's own subtree is already in place
+                    if name and id(m) in wanted:
+                        parent, _, attr = name.rpartition(".")
+                        setattr(replica.get_submodule(parent) if parent else replica, attr, copies[id(m)])
+                for name, t in tensors:
+                    if id(t) in changed and id(t) not in inside:
+                        _get_tensor(replica, name).copy_(t)
+
+    def _refresh_constants(self, nodes: Sequence[fx.Node]) -> None:
+        """Recompute the constant subtrees ``nodes`` read in the quantized model (a weight initializer through its
+        quantizer: an fx node of its own, computed once by the staged pass before the algorithm changed the
+        weight), on every device, and replace the cached values the nodes read."""
+        order = {n.name: i for i, n in enumerate(self.q_nodes)}
+        chain: Dict[str, fx.Node] = {}
+
+        def visit(n: fx.Node) -> None:
+            for a in n.all_input_nodes:
+                if self.const[a.name] and a.name not in chain:
+                    chain[a.name] = a
+                    visit(a)
+
+        for n in nodes:
+            visit(n)
+        if not chain:
+            return
+        env = dict(self.q_env)
+        with torch.no_grad():
+            for a in sorted(chain.values(), key=lambda n: order[n.name]):
+                env[a.name] = [self._run(self._q_interps, env, a, j) for j in range(len(self.devices))]
+        for name in chain:
+            if name in self.q_env:  # still read by a node to come: the fresh values replace the old
+                self._free(self.q_env, name)
+                self._store(self.q_env, name, env[name])
+
     def finish_block(self, nodes: Sequence[fx.Node]) -> None:
         """Compute the quantized block with its finetuned weights and move past it."""
+        self._refresh_constants(nodes)
         for n in nodes:
             self.step(n, quantized=True, float_too=False)
             self.release_inputs(n, self.pos)
             self.pos += 1
 
     def finish_layer(self, node: fx.Node) -> None:
-        """Recompute the quantized output of ``node`` with its finetuned weights and move past it."""
+        """Recompute the quantized output of ``node`` with its finetuned weights (its constant inputs too: a weight
+        through its quantizer) and move past it."""
+        self._refresh_constants([node])
         self.step(node, quantized=True, float_too=False)
         self.release_inputs(node, self.pos)
         self.pos += 1

@@ -169,6 +169,7 @@ TQO_KEYS = ("quant_type", "scale", "zero_point", "symmetric", "reduce_range", "r
 TQO_CONVERT_KEYS = ("quant_type", "recv_nodes", "scale", "zero_point", "symmetric", "rmax", "rmin")
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?|hip(:\d+)?)$")
+_DEVICES_RE = re.compile(r"^(cuda|hip):\d+(,\s*\d+)+$")  # several GPUs: OptimDevice only
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -712,8 +713,14 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
 
     def device(key: str) -> str:
         v = opts.get(key, "cpu")
-        if not isinstance(v, str) or not _DEVICE_RE.match(v):
-            raise ConfigError(f"{where}[{key!r}] must be 'cpu', 'cuda', 'cuda:N', 'hip' or 'hip:N', got {v!r}")
+        several = key == "OptimDevice"
+        if not isinstance(v, str) or not (_DEVICE_RE.match(v) or (several and _DEVICES_RE.match(v))):
+            raise ConfigError(f"{where}[{key!r}] must be 'cpu', 'cuda', 'cuda:N', 'hip' or 'hip:N'"
+                              + (" or several GPUs as 'cuda:N,M,...'" if several else "") + f", got {v!r}")
+        if several and _DEVICES_RE.match(v):
+            ids = [int(i) for i in v.split(":", 1)[1].split(",")]
+            if len(set(ids)) != len(ids):
+                raise ConfigError(f"{where}[{key!r}] {v!r} names a device twice; give distinct indices")
         return v
 
     beta = opts.get("BetaRange", d.beta_range)

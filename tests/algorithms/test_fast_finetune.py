@@ -1225,6 +1225,112 @@ def test_a_shared_initializer_keeps_the_float_copy(monkeypatch):
     assert before["guarded"][0] == before["forced shared"][0] and before["guarded"][1] != before["forced shared"][1]
 
 
+def test_a_weight_read_through_a_constant_reaches_the_next_layers(monkeypatch):
+    """A MatMul's weight is an initializer through its quantizer (a constant subtree the staged pass computes once):
+    after the layer is finetuned, the quantized pass recomputes it, so the next layers train on the finetuned
+    layer's output (the staged output equals the layer's own function with the new weights)."""
+    from qtorch_onnx.algorithms import reconstruction
+
+    finish, gaps = reconstruction.StagedExecutor.finish_layer, []
+
+    def checked(self, node):
+        inputs = {a: self._stack(self.q_env, a.name) for a in node.all_input_nodes if not self.const[a.name]}
+        finish(self, node)
+        with torch.no_grad():
+            fresh = self.layer_fn(node)(inputs)
+        gaps.append((node.name, float((self._stack(self.q_env, node.name) - fresh).abs().max())))
+
+    monkeypatch.setattr(reconstruction.StagedExecutor, "finish_layer", checked)
+    data = token_data(8)
+    qm = _prepared("A8W8", token_block(), data)
+    fast_finetune(qm, data, algorithm="adaquant", num_iterations=20, batch_size=2, learning_rate=1e-2, progress=False)
+    assert {n for n, _ in gaps} >= {"fc1", "fc2"} and all(g == 0.0 for _, g in gaps), gaps
+
+
+_SEVERAL_DEVICE_CASES = {
+    "cnn adaquant": (cnn, lambda: calib_data(32), "A8W8", dict(algorithm="adaquant", update_bias=True)),
+    "cnn adaround": (cnn, lambda: calib_data(32), "A8W8", dict(algorithm="adaround")),
+    "residual blocks": (residual_cnn, lambda: calib_data(32), "A8W8", dict(algorithm="adaquant", granularity="block")),
+    "tokens adaround": (token_block, lambda: token_data(32), "A8W8", dict(algorithm="adaround")),
+    "cnn bfp16": (cnn, lambda: calib_data(32), "BFP16", dict(algorithm="adaquant")),
+    "cnn qdrop": (cnn, lambda: calib_data(32), "A8W8", dict(algorithm="adaquant", drop_ratio=0.5)),
+}
+
+
+def _finetuned_bytes(monkeypatch, case, devices=None, sync=True):
+    from importlib import import_module
+
+    from qtorch_onnx.algorithms import reconstruction
+
+    ff = import_module("qtorch_onnx.algorithms.fast_finetune")
+    make, data, config, kw = _SEVERAL_DEVICE_CASES[case]
+    models = []
+    with monkeypatch.context() as mp:
+        if devices is not None:
+            mp.setattr(ff, "_devices", lambda spec, fallback, key: [torch.device(d) for d in devices])
+        init = reconstruction.StagedExecutor.__init__
+
+        def spy(self, *a, **k):
+            init(self, *a, **k)
+            models.append(len(self.q_models))
+
+        mp.setattr(reconstruction.StagedExecutor, "__init__", spy)
+        if not sync:
+            mp.setattr(reconstruction.StagedExecutor, "sync", lambda self, *a, **k: None)
+        samples = data()
+        qm = _prepared(config, make(), samples)
+        fast_finetune(qm, samples, num_iterations=10, batch_size=2, progress=False, **kw)
+    return qo.export(qm, None).SerializeToString(), [r.loss_before for r in qm.finetune_report.layers], models
+
+
+@pytest.mark.parametrize("case", sorted(_SEVERAL_DEVICE_CASES))
+def test_several_devices_give_the_bytes_of_one(monkeypatch, case):
+    """OptimDevice with several devices: the staged passes run chunk by chunk on replicas of the model (here two
+    on the CPU, which exercises the same replicas, constants per device, gathering and syncing as two GPUs), and
+    the finetune gives the same exported bytes and losses as on one device."""
+    one = _finetuned_bytes(monkeypatch, case)
+    two = _finetuned_bytes(monkeypatch, case, devices=("cpu", "cpu"))
+    assert one[2] == [1] and two[2] == [2]
+    assert two[0] == one[0] and two[1] == one[1]
+
+
+def test_several_devices_need_the_replicas_synced(monkeypatch):
+    """Without copying the finetuned layers into the replicas the second device's chunks would run the old weights:
+    the test above can fail."""
+    one = _finetuned_bytes(monkeypatch, "cnn adaquant")
+    stale = _finetuned_bytes(monkeypatch, "cnn adaquant", devices=("cpu", "cpu"), sync=False)
+    assert stale[0] != one[0]
+
+
+def test_optim_device_lists():
+    """OptimDevice "cuda:0,1" (Quark's multi-GPU form) is read as several devices; a device named twice, a list for
+    InferDevice, or GPUs that are not there are errors naming the key."""
+    from importlib import import_module
+
+    ff = import_module("qtorch_onnx.algorithms.fast_finetune")
+    assert ff._devices("cpu", torch.device("cpu"), "OptimDevice") == [torch.device("cpu")]
+    qm, data = _prepared("A8W8"), calib_data(4)
+    with pytest.raises(qo.ConfigError, match=r"OptimDevice.*twice"):
+        fast_finetune(qm, data, {"OptimDevice": "cuda:0,0"}, progress=False)
+    with pytest.raises(qo.ConfigError, match=r"InferDevice"):
+        fast_finetune(qm, data, {"InferDevice": "cuda:0,1"}, progress=False)
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(qo.ConfigError, match=r"OptimDevice 'hip:0,1'.*(no CUDA|CUDA device)"):
+            fast_finetune(qm, data, {"OptimDevice": "hip:0,1"}, progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_give_the_bytes_of_one():
+    data = calib_data(32)
+    out = []
+    for spec in ("cuda:0", "cuda:0,1"):
+        qm = _prepared("A8W8", cnn(), data)
+        fast_finetune(qm, data, {"OptimAlgorithm": "adaquant", "NumIterations": 10, "BatchSize": 2,
+                                 "OptimDevice": spec}, progress=False)
+        out.append(qo.export(qm, None).SerializeToString())
+    assert out[0] == out[1]
+
+
 def test_ref_model_path_gives_the_targets(tmp_path):
     """RefModelPath (Quark's key): the layers reconstruct the reference model's outputs. The float model itself
     as reference gives the same bytes as no reference; a reference with other weights gives other targets; a

@@ -204,6 +204,8 @@ def test_mixed_precision_tensor_needs_specific_tensor_precision():
     (lambda: _qc(FastFinetune={"NumIterations": 0}), ["NumIterations"]),
     (lambda: _qc(FastFinetune={"LearningRate": -0.1}), ["LearningRate"]),
     (lambda: _qc(FastFinetune={"OptimDevice": "gpu"}), ["OptimDevice", "cuda:N"]),
+    (lambda: _qc(FastFinetune={"OptimDevice": "cuda:1,1"}), ["OptimDevice", "twice"]),
+    (lambda: _qc(FastFinetune={"InferDevice": "cuda:0,1"}), ["InferDevice", "cuda:N"]),
     (lambda: _qc(FastFinetune={"BetaRange": (20,)}), ["BetaRange", "pair"]),
     (lambda: _qc(FastFinetune={"DropRatio": 1.5}), ["DropRatio"]),
     (lambda: _qc(FastFinetune={"EarlyStop": "yes"}), ["EarlyStop", "bool"]),
