@@ -472,6 +472,7 @@ def main(argv=None) -> int:
 
     import qtorch_onnx
     from qtorch_onnx import lift, zoo  # noqa: F401  (torch, onnx2torch imported before any timing)
+    from qtorch_onnx.heap import heap_tuning_available
 
     t_start = time.perf_counter()
     n = 4 if args.quick else None
@@ -487,7 +488,11 @@ def main(argv=None) -> int:
                      "qtorch_onnx": getattr(qtorch_onnx, "__version__", "?"), "torch_threads": torch.get_num_threads()},
         "loadavg_start": os.getloadavg(), "quick": args.quick, "batch_size": args.batch_size,
         "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {},
-        "ours_device": args.ours_device}
+        "ours_device": args.ours_device,
+        # our algorithms tune glibc's heap while they run (qtorch_onnx.heap; QTORCH_ONNX_TUNE_HEAP=0: off); Quark's
+        # process gets what its environment says (MALLOC_*_ variables, if any)
+        "heap": {"ours_tuned": heap_tuning_available(),
+                 "environment": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}}
     if args.ours_device != "cpu":
         results["ours_device_name"] = (torch.cuda.get_device_name(torch.device(args.ours_device))
                                        if args.ours_device.startswith("cuda") else args.ours_device)
@@ -499,6 +504,7 @@ def main(argv=None) -> int:
     if recorded:
         results["quark_source"] = recorded.describe()
         results["quark_versions"] = recorded.versions
+    _log(f"heap: ours tuned {results['heap']['ours_tuned']}, environment {results['heap']['environment'] or 'none'}")
     _log(f"machine: {results['machine']}" + (f"; ours on {results['ours_device_name']}"
                                                 if args.ours_device != "cpu" else ""))
     timer = _TrainTimer()
