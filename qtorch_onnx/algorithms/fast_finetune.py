@@ -140,6 +140,9 @@ def _validate(s: FastFinetuneSettings) -> None:
         raise ConfigError(f"FastFinetune DataSize must be an integer >= 1 or None, got {s.data_size!r}")
     if not 0.0 <= s.drop_ratio <= 1.0:
         raise ConfigError(f"FastFinetune DropRatio must lie in [0, 1], got {s.drop_ratio!r}")
+    from ..config.resolve import _device_spec
+
+    _device_spec(s.optim_device, "FastFinetune", "OptimDevice")
     if s.ref_model_path is not None:
         from ..config.resolve import _ref_model_path
 
@@ -154,11 +157,12 @@ def _validate(s: FastFinetuneSettings) -> None:
 
 
 def _devices(spec: Optional[str], fallback: torch.device, key: str) -> List[torch.device]:
-    """The devices of an ``OptimDevice`` string: ``[fallback]`` for None; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` one;
-    ``"cuda:0,1"`` (``"hip:..."`` alike) several, the first being where the layers train.
+    """The devices of an ``OptimDevice`` string (its form checked by ``_validate``): ``[fallback]`` for None;
+    ``"cpu"``, ``"cuda"``, ``"cuda:N"`` one; ``"cuda:0,1"`` (``"hip:..."`` alike) several, the first being where the
+    layers train.
 
     Raises:
-        ConfigError: not a device, no CUDA here, an index past the devices there, or an index given twice."""
+        ConfigError: no CUDA here, or an index past the devices there."""
     if spec is None:
         return [fallback]
     text = spec.strip()
@@ -168,27 +172,19 @@ def _devices(spec: Optional[str], fallback: torch.device, key: str) -> List[torc
     names = [head] + [f"cuda:{i.strip()}" for i in rest.split(",")] if rest else [head]
     out = []
     for name in names:
-        try:
-            dev = torch.device(name)
-        except RuntimeError as exc:
-            raise ConfigError(f"FastFinetune {key} {spec!r} is not a device ({exc}); valid: 'cpu', 'cuda', 'cuda:N', "
-                              "'cuda:N,M,...'") from exc
+        dev = torch.device(name)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError(f"FastFinetune {key} {spec!r}: no CUDA device is available here; use 'cpu'")
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 raise ConfigError(f"FastFinetune {key} {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
         out.append(dev)
-    if len(set(out)) != len(out):
-        raise ConfigError(f"FastFinetune {key} {spec!r} names a device twice; valid: distinct indices ('cuda:0,1')")
     return out
 
 
 def _sync_layers(ex: StagedExecutor, layers) -> None:
     """Copy what finetuning changed in ``layers`` (their modules, weight / bias quantizers and parameters) into the
     executor's replicas on the other devices (a no-op with one device)."""
-    if len(ex.devices) < 2:
-        return
     modules = [m for l in layers for m in (l.module, l.weight_quantizer, l.bias_quantizer) if m is not None]
     ex.sync(modules, [p for l in layers for p in (l.weight, l.bias) if p is not None])
 

@@ -74,9 +74,7 @@ def shared_float_pass_conflict(gm: fx.GraphModule, trained: Sequence[Tuple[fx.No
         if n.op == "call_module":
             obj = gm.get_submodule(str(n.target))
         elif n.op == "get_attr":
-            obj = gm
-            for part in str(n.target).split("."):
-                obj = getattr(obj, part, None)
+            obj = _attr(gm, str(n.target))
         if isinstance(obj, torch.Tensor):
             return {id(obj)}
         if isinstance(obj, nn.Module):
@@ -272,8 +270,8 @@ def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _get_tensor(module: nn.Module, name: str) -> torch.Tensor:
-    """The parameter or buffer at dotted path ``name`` of ``module``."""
+def _attr(module: nn.Module, name: str) -> Any:
+    """The attribute at dotted path ``name`` of ``module`` (a parameter, buffer or submodule)."""
     parent, _, attr = name.rpartition(".")
     return getattr(module.get_submodule(parent) if parent else module, attr)
 
@@ -564,7 +562,7 @@ class StagedExecutor:
                 memo = {id(m): theirs[name] for name, m in paths if id(m) not in inside}
                 for name, t in tensors:
                     if id(t) not in inside:
-                        memo[id(t)] = _get_tensor(replica, name)
+                        memo[id(t)] = _attr(replica, name)
                 copies = {}
                 for m in modules:
                     if id(m) not in copies:
@@ -575,7 +573,7 @@ class StagedExecutor:
                         setattr(replica.get_submodule(parent) if parent else replica, attr, copies[id(m)])
                 for name, t in tensors:
                     if id(t) in changed and id(t) not in inside:
-                        _get_tensor(replica, name).copy_(t)
+                        _attr(replica, name).copy_(t)
 
     def _refresh_constants(self, nodes: Sequence[fx.Node]) -> None:
         """Recompute the constant subtrees ``nodes`` read in the quantized model (a weight initializer through its

@@ -712,16 +712,7 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
     data_size = None if data_size is None else _int(data_size, f"{where}['DataSize']", 1)
 
     def device(key: str) -> str:
-        v = opts.get(key, "cpu")
-        several = key == "OptimDevice"
-        if not isinstance(v, str) or not (_DEVICE_RE.match(v) or (several and _DEVICES_RE.match(v))):
-            raise ConfigError(f"{where}[{key!r}] must be 'cpu', 'cuda', 'cuda:N', 'hip' or 'hip:N'"
-                              + (" or several GPUs as 'cuda:N,M,...'" if several else "") + f", got {v!r}")
-        if several and _DEVICES_RE.match(v):
-            ids = [int(i) for i in v.split(":", 1)[1].split(",")]
-            if len(set(ids)) != len(ids):
-                raise ConfigError(f"{where}[{key!r}] {v!r} names a device twice; give distinct indices")
-        return v
+        return _device_spec(opts.get(key, "cpu"), where, key)
 
     beta = opts.get("BetaRange", d.beta_range)
     if isinstance(beta, (str, bytes)) or not isinstance(beta, (list, tuple)) or len(beta) != 2:
@@ -766,6 +757,23 @@ def _parse_fast_ft(value: Any, where: str, weight, tensor_precision: dict) -> Fa
         cache_dir=mem_cache_dir,
         pin_memory=_bool(opts.get("PinMemory", d.pin_memory), f"{where}['PinMemory']"),
     )
+
+
+def _device_spec(value: Any, where: str, key: str) -> str:
+    """``value`` when it is a FastFinetune device string for ``key``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"hip"``,
+    ``"hip:N"``, and for ``"OptimDevice"`` several GPUs as ``"cuda:N,M,..."`` (distinct indices).
+
+    Raises:
+        ConfigError: anything else, naming ``where[key]``."""
+    several = key == "OptimDevice"
+    if not isinstance(value, str) or not (_DEVICE_RE.match(value) or (several and _DEVICES_RE.match(value))):
+        raise ConfigError(f"{where}[{key!r}] must be 'cpu', 'cuda', 'cuda:N', 'hip' or 'hip:N'"
+                          + (" or several GPUs as 'cuda:N,M,...'" if several else "") + f", got {value!r}")
+    if several and _DEVICES_RE.match(value):
+        ids = [int(i) for i in value.split(":", 1)[1].split(",")]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{where}[{key!r}] {value!r} names a device twice; give distinct indices")
+    return value
 
 
 def _path(value: Any, where: str, what: str) -> Optional[str]:

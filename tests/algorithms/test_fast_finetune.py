@@ -1132,18 +1132,23 @@ def test_float_twin_copies_the_weights_and_shares_what_it_only_reads():
         assert torch.equal(qf(x), ref)
 
 
-def _spy_float_pass(monkeypatch):
-    """A list that records, per StagedExecutor built, whether its float pass runs through the quantized modules."""
+def _spy_executors(patcher):
+    """A list of every StagedExecutor built while ``patcher`` (a monkeypatch or its context) is in force."""
     from qtorch_onnx.algorithms import reconstruction
 
-    shared, init = [], reconstruction.StagedExecutor.__init__
+    built, init = [], reconstruction.StagedExecutor.__init__
 
-    def spy(self, q_gm, f_gm, *a, **k):
-        shared.append(f_gm is q_gm)
-        init(self, q_gm, f_gm, *a, **k)
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        built.append(self)
 
-    monkeypatch.setattr(reconstruction.StagedExecutor, "__init__", spy)
-    return shared
+    patcher.setattr(reconstruction.StagedExecutor, "__init__", spy)
+    return built
+
+
+def _float_pass_shared(executors):
+    """Per executor: whether its float pass runs through the quantized modules."""
+    return [ex.f_gm is ex.q_gm for ex in executors]
 
 
 def _tied_matmuls():
@@ -1182,7 +1187,7 @@ def test_float_pass_through_the_quantized_modules_equals_the_float_copy(monkeypa
         kw.update(algorithm="adaquant", granularity="block")
     if kw["algorithm"] == "adaquant":
         kw["update_bias"] = True
-    shared = _spy_float_pass(monkeypatch)
+    executors = _spy_executors(monkeypatch)
     runs = []
     for force_copy in (False, True):
         with monkeypatch.context() as mp:
@@ -1192,7 +1197,7 @@ def test_float_pass_through_the_quantized_modules_equals_the_float_copy(monkeypa
             fast_finetune(qm, data, **kw)
             runs.append((qo.export(qm, None).SerializeToString(),
                          [(r.loss_before, r.loss_after) for r in qm.finetune_report.layers]))
-    assert shared == [True, False]
+    assert _float_pass_shared(executors) == [True, False]
     assert runs[0][1] == runs[1][1] and runs[0][0] == runs[1][0]
 
 
@@ -1211,7 +1216,7 @@ def test_a_shared_initializer_keeps_the_float_copy(monkeypatch):
     assert layers[0].weight is layers[1].weight
     why = shared_float_pass_conflict(qm.gm, [(nodes[l.name], l.module, (l.weight, l.bias)) for l in layers])
     assert why is not None and "'mm2'" in why and "'mm1'" in why
-    shared = _spy_float_pass(monkeypatch)
+    executors = _spy_executors(monkeypatch)
     before = {}
     for label in ("guarded", "forced shared"):
         with monkeypatch.context() as mp:
@@ -1221,7 +1226,7 @@ def test_a_shared_initializer_keeps_the_float_copy(monkeypatch):
             fast_finetune(qm, data, algorithm="adaquant", num_iterations=20, batch_size=2, learning_rate=0.05,
                           progress=False)
             before[label] = [r.loss_before for r in qm.finetune_report.layers]
-    assert shared == [False, True]
+    assert _float_pass_shared(executors) == [False, True]
     assert before["guarded"][0] == before["forced shared"][0] and before["guarded"][1] != before["forced shared"][1]
 
 
@@ -1264,23 +1269,17 @@ def _finetuned_bytes(monkeypatch, case, devices=None, sync=True):
 
     ff = import_module("qtorch_onnx.algorithms.fast_finetune")
     make, data, config, kw = _SEVERAL_DEVICE_CASES[case]
-    models = []
     with monkeypatch.context() as mp:
         if devices is not None:
             mp.setattr(ff, "_devices", lambda spec, fallback, key: [torch.device(d) for d in devices])
-        init = reconstruction.StagedExecutor.__init__
-
-        def spy(self, *a, **k):
-            init(self, *a, **k)
-            models.append(len(self.q_models))
-
-        mp.setattr(reconstruction.StagedExecutor, "__init__", spy)
+        executors = _spy_executors(mp)
         if not sync:
             mp.setattr(reconstruction.StagedExecutor, "sync", lambda self, *a, **k: None)
         samples = data()
         qm = _prepared(config, make(), samples)
         fast_finetune(qm, samples, num_iterations=10, batch_size=2, progress=False, **kw)
-    return qo.export(qm, None).SerializeToString(), [r.loss_before for r in qm.finetune_report.layers], models
+    return (qo.export(qm, None).SerializeToString(), [r.loss_before for r in qm.finetune_report.layers],
+            [len(ex.q_models) for ex in executors])
 
 
 @pytest.mark.parametrize("case", sorted(_SEVERAL_DEVICE_CASES))
