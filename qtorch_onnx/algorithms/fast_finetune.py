@@ -960,6 +960,9 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
     if clamp is None or DirectLayerLoss.covers(module, x, ld.target) is not None:
         return None
     with torch.no_grad():
+        # the weight before the bias, as the module's forward reads them: an INT32 bias takes its scale from the
+        # weight quantizer's, which reading the weight brings up to date
+        module.weight
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
     if not _direct_output_agrees(direct, fn, ld):

@@ -459,7 +459,7 @@ class _Builder:
 
         self.cfg = cfg
         # graph optimization, ReplaceClip6Relu, CLE once: every build starts from the same float model
-        self.gm, _ = lift_float(model, cfg)
+        self.gm, self.cle_report = lift_float(model, cfg)
         self.calib = calib_samples
         self.device = device
         self.progress = progress
@@ -499,11 +499,12 @@ class _Builder:
     def build(self, cfg):
         from ..placement import plan_quantization
         from ..calibration import calibrate
-        from ..quantizer import attach_quantizers
+        from ..quantizer import attach_quantizers, sync_after_rewrites
 
         gm = copy.deepcopy(self.gm)
         plan = plan_quantization(gm.onnx_model, cfg)
         qm = attach_quantizers(gm, plan, cfg)
+        sync_after_rewrites(qm, self.cle_report)
         if self.device is not None:
             qm.to(self.device)
         if any(fq.needs_calibration for fq in qm.quantizers().values() if fq.role == "activation"):
