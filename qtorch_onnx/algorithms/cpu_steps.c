@@ -616,6 +616,36 @@ void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const floa
         sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
 }
 
+/* The sum of act_residual_row without its gradient: p is read only (a finished layer's outputs, kept for the layers
+ * after it). The same 16 float64 lane sums in the same order, so the same value as act_residual_row's. */
+__attribute__((noinline)) static double act_sse_row(int64_t n, const float *restrict p, const float *restrict y,
+                                                   float lo, float hi) {
+    double acc[16] = {0.0};
+    int64_t q = 0;
+    for (; q + 16 <= n; q += 16)
+        for (int t = 0; t < 16; t++) {
+            float x = p[q + t];
+            float r = (x < lo ? lo : (x > hi ? hi : x)) - y[q + t];
+            acc[t] += (double)r * (double)r;
+        }
+    double total = 0.0;
+    for (int t = 0; t < 16; t++)
+        total += acc[t];
+    for (; q < n; q++) {
+        float x = p[q];
+        float r = (x < lo ? lo : (x > hi ? hi : x)) - y[q];
+        total += (double)r * (double)r;
+    }
+    return total;
+}
+
+/* rows b in [b0, b1) of pre against the rows idx[b] of target, pre unchanged; sse[b]: each row's sum */
+void qt_act_sse(int64_t b0, int64_t b1, int64_t len, const float *pre, const float *target, const int64_t *idx,
+                float lo, float hi, double *sse) {
+    for (int64_t b = b0; b < b1; b++)
+        sse[b] = act_sse_row(len, pre + b * len, target + idx[b] * len, lo, hi);
+}
+
 /* ------------------------------------------------------------------------------ small Gram-matrix layers */
 /* QuadraticLayerLoss.gradient without its loss, in one call for small layers (a few torch operations' dispatch
  * outweighs their products there). The rows ids[0..nids) of flat (each len floats: H [g k k], G [g o k], then with
@@ -995,4 +1025,4 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 9; }
+int qt_cpu_steps_version(void) { return 10; }

@@ -34,12 +34,12 @@ import torch
 from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
-           "adaquant_adam", "depthwise_gram", "act_residual", "depthwise_forward", "depthwise_wgrad",
+           "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 9
+_VERSION = 10
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -59,6 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
     lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
     lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
+    lib.qt_act_sse.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr]
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
     lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 4
@@ -69,7 +70,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         [ptr] * 6
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
-              lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
+              lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
               lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient, lib.qt_depthwise_direct):
         f.restype = None
 
@@ -320,6 +321,19 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     pool = _pool() if b > 1 and pre.numel() >= PARALLEL_MIN else None
     native.split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
                                          float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
+    return sse
+
+
+def act_sse(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``sum r^2`` per row (float64 ``[B]``) of ``r = clamp(pre, lo, hi) - target[idx]`` for ``pre`` (contiguous
+    float32 ``[B, ...]``, read only), ``target`` and ``idx`` as :func:`act_residual` (``qt_act_sse``: the same sums
+    as :func:`act_residual`'s, without its gradient). Rows are split between torch's intra-op threads."""
+    b = pre.shape[0]
+    sse = torch.empty(b, dtype=torch.float64)
+    pool = _pool() if b > 1 and pre.numel() >= PARALLEL_MIN else None
+    native.split(library().qt_act_sse, b, pool,
+                 lambda i, a, e: (a, e, pre[0].numel(), pre.data_ptr(), target.data_ptr(), idx.data_ptr(), float(lo),
+                                  float(hi), sse.data_ptr()))
     return sse
 
 

@@ -609,11 +609,25 @@ class StagedExecutor:
             self.release_inputs(n, self.pos)
             self.pos += 1
 
-    def finish_layer(self, node: fx.Node) -> None:
-        """Recompute the quantized output of ``node`` with its finetuned weights (its constant inputs too: a weight
-        through its quantizer) and move past it."""
+    def layer_output(self, node: fx.Node) -> List[Any]:
+        """The quantized output of ``node`` (the executor stands at it) with the layer's current weights (its constant
+        inputs recomputed first, as :meth:`finish_layer` does), one value per chunk on the chunk's device, stored
+        nowhere: :meth:`finish_layer` takes them while the weights stay as they were."""
         self._refresh_constants([node])
-        self.step(node, quantized=True, float_too=False)
+        with torch.no_grad():
+            return [self._run(self._q_interps, self.q_env, node, c) for c in range(len(self.chunks))]
+
+    def finish_layer(self, node: fx.Node, outputs: Optional[Sequence[Any]] = None) -> None:
+        """Recompute the quantized output of ``node`` with its finetuned weights (its constant inputs too: a weight
+        through its quantizer) and move past it. ``outputs``: that output already computed by :meth:`layer_output`
+        with the same weights (kept as they are, not recomputed)."""
+        if outputs is None:
+            self._refresh_constants([node])
+            self.step(node, quantized=True, float_too=False)
+        else:
+            if len(outputs) != len(self.chunks):
+                raise ValueError(f"finish_layer: {len(outputs)} outputs for {len(self.chunks)} chunks")
+            self._store(self.q_env, node.name, list(outputs))
         self.release_inputs(node, self.pos)
         self.pos += 1
 
@@ -1188,6 +1202,31 @@ class DirectLayerLoss:
         quantized weight and bias (the module's): what the forward path computes, as a new float32 tensor."""
         pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), *self._current())
         return pre.clone() if self.identity else pre.clamp(self.lo, self.hi)
+
+    @torch.no_grad()
+    def loss_of(self, outputs: Sequence[torch.Tensor]) -> Optional[float]:
+        """The loss over all samples, divided like :meth:`value`, of the layer outputs before the activation given
+        in sample order (``outputs``: float32 tensors ``[n_i, ...]`` whose rows are ``target``'s, ``sum n_i = N``;
+        the staged pass's chunks of a finished layer, :meth:`StagedExecutor.layer_output`): the activation and the
+        residual as :meth:`value` computes them, from these outputs instead of its own forward. None when the
+        outputs do not line up with the target (shapes, dtype, count)."""
+        shape = tuple(self.target.shape[1:])
+        if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and tuple(o.shape[1:]) == shape
+                   and o.device == self.target.device for o in outputs) \
+                or sum(o.shape[0] for o in outputs) != self.target.shape[0]:
+            return None
+        total, start = 0.0, 0
+        for o in outputs:
+            ids = torch.arange(start, start + o.shape[0], dtype=torch.int64)
+            start += o.shape[0]
+            if self.fused:
+                from . import cpu_steps
+
+                total += float(cpu_steps.act_sse(o.contiguous(), self.target, ids, self.lo, self.hi).sum())
+            else:
+                r = (o if self.identity else o.clamp(self.lo, self.hi)) - self.target[ids.to(o.device)]
+                total += float(torch.dot(r.reshape(-1), r.reshape(-1)).double())
+        return total / (self.target.shape[0] * self.denominator)
 
     @torch.no_grad()
     def value(self, idx=None, chunk: int = 4) -> float:

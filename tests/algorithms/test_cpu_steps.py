@@ -282,6 +282,16 @@ def test_act_residual_is_the_torch_expression(monkeypatch, lo, hi, wlo, whi):
         finite = torch.isfinite(ref_sse)
         assert torch.equal(torch.isfinite(sse), finite) and not bool(finite.all())
         torch.testing.assert_close(sse[finite], ref_sse[finite], rtol=1e-12, atol=0.0)
+        # the sums alone (act_sse: a finished layer's loss): act_residual's to the bit, its input left as it was
+        kept = pre.clone()
+        torch.set_num_threads(threads)
+        try:
+            alone = cpu_steps.act_sse(kept, target, idx, lo, hi)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(kept.view(torch.int32), pre.view(torch.int32))
+        assert torch.equal(torch.isfinite(alone), finite)
+        assert torch.equal(alone[finite].view(torch.int64), sse[finite].view(torch.int64))
 
 
 @pytest.mark.parametrize("channels,size,kernel,stride,padding,bias", [

@@ -375,6 +375,11 @@ def test_direct_loss_equals_autograd(monkeypatch, make, shape, act, fused):
             torch.testing.assert_close(gb, b.grad, rtol=1e-4, atol=1e-6)
         else:
             assert gb is None
+    # the loss of outputs computed elsewhere (a finished layer's staged chunks, in sample order) is value()'s
+    with torch.no_grad():
+        pre = m(x)
+    assert direct.loss_of([pre[:2], pre[2:]]) == pytest.approx(direct.value(), rel=1e-5)
+    assert direct.loss_of([pre[:2]]) is None and direct.loss_of([pre[:, :1]]) is None
     assert DirectLayerLoss.covers(torch.nn.ConvTranspose2d(4, 4, 3), torch.randn(2, 4, 5, 5),
                                   torch.randn(2, 4, 7, 7)) is not None
     assert activation_clamp(torch.nn.LeakyReLU()) is None and activation_clamp(OnnxClip(1.0, 1.0, baked=True)) is None
@@ -407,6 +412,40 @@ def test_direct_loss_path_matches_the_forward_path(monkeypatch, algorithm, kw):
         assert abs(b.loss_after - a.loss_after) <= 0.1 * max(a.loss_before, b.loss_before), (a, b)
         if algorithm == "adaround":
             assert b.loss_after < b.loss_before
+
+
+def test_direct_loss_after_comes_from_the_outputs_the_next_layers_read(monkeypatch):
+    """A direct-loss layer's loss after is the staged pass's output of the finetuned layer (no forward of its own),
+    and the executor keeps exactly those outputs for the layers after it: what a recomputation with the finetuned
+    weights gives, to the bit; the loss equals the direct loss's own value with those weights."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    given, values = [], {}
+    orig_finish = rc.StagedExecutor.finish_layer
+
+    def finish(self, node, outputs=None):
+        if outputs is not None:
+            fresh = self.layer_output(node)
+            assert len(fresh) == len(outputs)
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outputs, fresh))
+            given.append(node.name)
+        return orig_finish(self, node, outputs)
+
+    orig_after = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")._direct_loss_after
+
+    def after(direct, fn, ld, rec, outputs_for=None):
+        loss = orig_after(direct, fn, ld, rec, outputs_for)
+        values[rec.name] = (loss, direct.value())
+        return loss
+
+    monkeypatch.setattr(rc.StagedExecutor, "finish_layer", finish)
+    monkeypatch.setattr(importlib.import_module("qtorch_onnx.algorithms.fast_finetune"), "_direct_loss_after", after)
+    recs = _finetuned_layers("adaquant", 20, check_export=True, quadratic_loss=False)
+    direct = [r.name for r in recs if "direct loss" in r.note]
+    assert len(direct) >= 3 and len(given) == len(direct) and set(values) == set(direct)
+    for name, (loss, value) in values.items():
+        assert loss == pytest.approx(value, rel=1e-5), name
 
 
 def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
@@ -1238,9 +1277,9 @@ def test_a_weight_read_through_a_constant_reaches_the_next_layers(monkeypatch):
 
     finish, gaps = reconstruction.StagedExecutor.finish_layer, []
 
-    def checked(self, node):
+    def checked(self, node, outputs=None):
         inputs = {a: self._stack(self.q_env, a.name) for a in node.all_input_nodes if not self.const[a.name]}
-        finish(self, node)
+        finish(self, node, outputs)
         with torch.no_grad():
             fresh = self.layer_fn(node)(inputs)
         gaps.append((node.name, float((self._stack(self.q_env, node.name) - fresh).abs().max())))
