@@ -47,7 +47,7 @@ from ..precision import float32_exact
 from .adaquant import adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
-                             in_graph_order, reference_twin, sample_count, shared_float_pass_conflict)
+                             in_graph_order, output_sse, reference_twin, sample_count, shared_float_pass_conflict)
 from .reporting import save_before_after
 
 __all__ = ["fast_finetune", "adaround", "adaquant", "FinetuneReport", "LayerRecord"]
@@ -733,7 +733,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     if diverged:
         loss_after = math.nan
     elif quad is not None:
-        loss_after = _quadratic_loss_after(quad, fn, ld, rec)
+        loss_after = _quadratic_loss_after(quad, fn, ld, rec, outputs_for)
     elif direct is not None:
         loss_after = _direct_loss_after(direct[0], fn, ld, rec, outputs_for)
     else:
@@ -770,11 +770,21 @@ def _finite(losses: Optional[torch.Tensor], params: List[torch.Tensor]) -> bool:
     return total is None or bool(torch.isfinite(total))
 
 
-def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord) -> float:
-    """The finetuned layer's loss over all samples from its Gram matrices, the algebra checked against the
-    forward path on the first sample (the trained weight, so a wrong quadratic form shows); on a mismatch the
-    forward path's loss over all samples, and a note."""
+def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord, outputs_for=None) -> float:
+    """The finetuned layer's loss over all samples. With ``outputs_for``: from the staged pass's outputs of the
+    finetuned layer (:func:`output_sse`; computed for the next layers anyway), the algebra checked on the first
+    sample against them (a note when the quadratic form trained on a wrong loss). Else from its Gram matrices,
+    the algebra checked against the forward path on the first sample (the trained weight, so a wrong quadratic
+    form shows); on a mismatch the forward path's loss over all samples, and a note."""
     n = ld.target.shape[0]
+    sse = output_sse(outputs_for(), ld.target) if outputs_for is not None else None
+    if sse is not None:
+        denominator = quad.denominator
+        lf, lq = float(sse[0]) / denominator, quad.value(torch.zeros(1, dtype=torch.int64))
+        if not abs(lq - lf) <= 1e-3 * abs(lf) + 1e-6:
+            rec.add_note(f"quadratic loss {lq:.6g} != forward loss {lf:.6g} on sample 0: loss after from the "
+                         "forward's outputs")
+        return float(sse.sum()) / (n * denominator)
     value = quad.value(torch.arange(n))
     with torch.no_grad():
         first = {a: x[:1] for a, x in ld.q_inputs.items()}

@@ -1022,6 +1022,36 @@ def activation_clamp(module: Optional[nn.Module]) -> Optional[Tuple[float, float
 POINTWISE_MIN_PLANE = 64
 
 
+@torch.no_grad()
+def output_sse(outputs: Sequence[Any], target: torch.Tensor, lo: float = -math.inf, hi: float = math.inf
+               ) -> Optional[torch.Tensor]:
+    """``sum r^2`` per sample (float64 ``[N]``, on the host) of ``r = clamp(o, lo, hi) - target`` for layer outputs
+    ``o`` given in sample order: ``outputs`` float32 tensors ``[n_i, ...]`` on ``target``'s device whose rows are
+    ``target``'s (``[N, ...]``, float32), ``sum n_i = N`` (the staged pass's chunks of a finished layer). On a CPU
+    one read-only C pass per chunk (``cpu_steps.act_sse``: the fused direct loss's float64 sums); elsewhere torch
+    (float64 squares and sums). None when the outputs do not line up with the target (type, dtype, shape, device,
+    count)."""
+    shape = tuple(target.shape[1:])
+    if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and tuple(o.shape[1:]) == shape
+               and o.device == target.device for o in outputs) or sum(o.shape[0] for o in outputs) != target.shape[0] \
+            or target.dtype != torch.float32:
+        return None
+    from . import cpu_steps
+
+    fused = target.device.type == "cpu" and target.is_contiguous() and cpu_steps.available()
+    parts, start = [], 0
+    for o in outputs:
+        ids = torch.arange(start, start + o.shape[0], dtype=torch.int64)
+        start += o.shape[0]
+        if fused:
+            parts.append(cpu_steps.act_sse(o.contiguous(), target, ids, lo, hi))
+        else:
+            a = o if (lo == -math.inf and hi == math.inf) else o.clamp(lo, hi)
+            r = (a - target[ids.to(o.device)]).double()
+            parts.append(r.pow(2).reshape(o.shape[0], -1).sum(1).cpu())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 class DirectLayerLoss:
     """The reconstruction loss of a Conv1d / Conv2d / Linear layer, optionally through a following clamp-like
     activation, and its gradient with respect to the layer's quantized weight and bias, written out: no
@@ -1206,27 +1236,11 @@ class DirectLayerLoss:
     @torch.no_grad()
     def loss_of(self, outputs: Sequence[torch.Tensor]) -> Optional[float]:
         """The loss over all samples, divided like :meth:`value`, of the layer outputs before the activation given
-        in sample order (``outputs``: float32 tensors ``[n_i, ...]`` whose rows are ``target``'s, ``sum n_i = N``;
-        the staged pass's chunks of a finished layer, :meth:`StagedExecutor.layer_output`): the activation and the
-        residual as :meth:`value` computes them, from these outputs instead of its own forward. None when the
-        outputs do not line up with the target (shapes, dtype, count)."""
-        shape = tuple(self.target.shape[1:])
-        if not all(isinstance(o, torch.Tensor) and o.dtype == torch.float32 and tuple(o.shape[1:]) == shape
-                   and o.device == self.target.device for o in outputs) \
-                or sum(o.shape[0] for o in outputs) != self.target.shape[0]:
-            return None
-        total, start = 0.0, 0
-        for o in outputs:
-            ids = torch.arange(start, start + o.shape[0], dtype=torch.int64)
-            start += o.shape[0]
-            if self.fused:
-                from . import cpu_steps
-
-                total += float(cpu_steps.act_sse(o.contiguous(), self.target, ids, self.lo, self.hi).sum())
-            else:
-                r = (o if self.identity else o.clamp(self.lo, self.hi)) - self.target[ids.to(o.device)]
-                total += float(torch.dot(r.reshape(-1), r.reshape(-1)).double())
-        return total / (self.target.shape[0] * self.denominator)
+        in sample order (the staged pass's chunks of a finished layer, :meth:`StagedExecutor.layer_output`): the
+        activation and the residual as :meth:`value` computes them (:func:`output_sse`), from these outputs instead
+        of its own forward. None when the outputs do not line up with the target."""
+        sse = output_sse(outputs, self.target, self.lo, self.hi)
+        return None if sse is None else float(sse.sum()) / (self.target.shape[0] * self.denominator)
 
     @torch.no_grad()
     def value(self, idx=None, chunk: int = 4) -> float:

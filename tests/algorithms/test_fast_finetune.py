@@ -482,9 +482,9 @@ def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
 
 
 def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
-    """A Gram-matrix layer's losses before (the constant term) and after (the quadratic form) equal the forward
-    path's over all samples; a quadratic form that disagrees with the forward path on sample 0 after training
-    gives the forward loss and says so."""
+    """A Gram-matrix layer's losses before (the constant term) and after (the finished layer's outputs, the quadratic
+    form beside them) equal the forward path's over all samples; a quadratic form that disagrees with the forward
+    path on sample 0 after training is reported with a note, the loss after being the forward's."""
     import importlib
 
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
@@ -495,26 +495,27 @@ def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
     ex_layers = {}
     orig_after = ff._quadratic_loss_after
 
-    def after(quad, fn, ld, rec):  # the forward path's loss over all samples beside the quadratic one
-        value = orig_after(quad, fn, ld, rec)
-        ex_layers[rec.name] = (quad.start_value(), value, orig(fn, ld))
+    def after(quad, fn, ld, rec, outputs_for=None):  # the forward path's loss over all samples beside the reported one
+        value = orig_after(quad, fn, ld, rec, outputs_for)
+        ex_layers[rec.name] = (quad.start_value(), value, orig(fn, ld), quad.value(torch.arange(ld.target.shape[0])))
         return value
 
     monkeypatch.setattr(ff, "_quadratic_loss_after", after)
     fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=100, batch_size=2, progress=False)
     recs = {r.name: r for r in qm.finetune_report.layers}
     assert ex_layers
-    for name, (start, value, fwd) in ex_layers.items():
+    for name, (start, value, fwd, quadratic) in ex_layers.items():
         assert start == recs[name].loss_before
-        assert abs(value - fwd) <= 1e-4 * fwd, (name, value, fwd)
+        assert abs(value - fwd) <= 1e-4 * fwd, (name, value, fwd)  # the finished outputs' loss: the forward's
+        assert abs(quadratic - fwd) <= 1e-4 * fwd, (name, quadratic, fwd)  # and the quadratic form agrees
     assert len(forward) == 2 * (len(recs) - len(ex_layers))  # forward passes for the forward-path layers only
     monkeypatch.setattr(ff, "_quadratic_loss_after", orig_after)
     monkeypatch.setattr(importlib.import_module("qtorch_onnx.algorithms.reconstruction").QuadraticLayerLoss,
                         "value", lambda self, idx: 1.0)
     qm = _prepared("A8W8")
     fast_finetune(qm, calib_data(16), algorithm="adaround", num_iterations=20, batch_size=2, progress=False)
-    bad = [r for r in qm.finetune_report.layers if "loss after by forward passes" in r.note]
-    assert bad and all(r.loss_after != 1.0 for r in bad)
+    bad = [r for r in qm.finetune_report.layers if "!= forward loss" in r.note]
+    assert bad and all(r.loss_after != 1.0 for r in bad)  # reported: the forward's loss, with a note
 
 
 def test_adaquant_reconstructs_through_the_following_activation():
