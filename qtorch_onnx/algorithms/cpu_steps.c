@@ -1024,5 +1024,190 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
     }
 }
 
+/* dst[pos GB + t] = src[t stride + pos] for pos < len and t < cn, 0 for cn <= t < GB: one row of each of cn planes
+ * (stride floats apart) into the channel-blocked layout, read along the rows */
+static void interleave_rows(float *restrict dst, const float *restrict src, int64_t len, int64_t stride, int64_t cn) {
+    for (int64_t t = 0; t < cn; t++) {
+        const float *row = src + t * stride;
+        for (int64_t q = 0; q < len; q++)
+            dst[q * GB + t] = row[q];
+    }
+    for (int64_t t = cn; t < GB; t++)
+        for (int64_t q = 0; q < len; q++)
+            dst[q * GB + t] = 0.0f;
+}
+
+/* act_residual_row on a row of the channel-blocked layout (n = positions x GB floats: lane q % GB is the channel),
+ * its sums per channel: sse[t] += r^2 and gs[t] += g (float64, position order), p := g. The same expressions as
+ * act_residual_row, so the same g. */
+static void act_residual_lanes(int64_t n, float *restrict p, const float *restrict y, float lo, float hi, float wlo,
+                               float whi, float gscale, double *restrict sse, double *restrict gs) {
+    double acc[GB], gac[GB];
+    for (int t = 0; t < GB; t++) {
+        acc[t] = sse[t];
+        gac[t] = gs[t];
+    }
+    for (int64_t q = 0; q < n; q += GB)
+        for (int t = 0; t < GB; t++) {
+            float x = p[q + t];
+            float a = x < lo ? lo : (x > hi ? hi : x);
+            float r = a - y[q + t];
+            acc[t] += (double)r * (double)r;
+            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            float g = gscale * r * m;
+            p[q + t] = g;
+            gac[t] += (double)g;
+        }
+    for (int t = 0; t < GB; t++) {
+        sse[t] = acc[t];
+        gs[t] = gac[t];
+    }
+}
+
+/* one output row of the channel-blocked forward: prow[xx GB + t] = bias + sum_i w_i xs(xx step + off_i), the taps in
+ * order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
+ * multiply-adds (one chain waits on each multiply-add's latency, 4 cycles); K taps as a constant keeps the weights in
+ * registers. */
+#define DWB_FORWARD(NAME, K, P)                                                                                        \
+    static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t step, int64_t wo,     \
+                     const float *restrict wb, vf bv, float *restrict prow) {                                         \
+        vf wv[K];                                                                                                      \
+        int64_t o[K];                                                                                                  \
+        for (int64_t i = 0; i < (K); i++) {                                                                            \
+            wv[i] = loadu(wb + i * GB);                                                                                \
+            o[i] = off[i];                                                                                             \
+        }                                                                                                              \
+        int64_t xx = 0;                                                                                                \
+        for (; xx + (P) <= wo; xx += (P)) {                                                                            \
+            const float *base = xs + xx * step;                                                                        \
+            vf acc[P];                                                                                                 \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] = bv;                                        \
+            _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++)                                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] += wv[i] * loadu(base + j * step + o[i]); \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++)                                                      \
+                __builtin_memcpy(prow + (xx + j) * GB, &acc[j], sizeof(vf));                                           \
+        }                                                                                                              \
+        for (; xx < wo; xx++) {                                                                                        \
+            const float *base = xs + xx * step;                                                                        \
+            vf acc = bv;                                                                                               \
+            _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++) acc += wv[i] * loadu(base + o[i]);             \
+            __builtin_memcpy(prow + xx * GB, &acc, sizeof acc);                                                        \
+        }                                                                                                              \
+        (void)k;                                                                                                       \
+    }
+DWB_FORWARD(dwb_forward_k9, 9, 8)
+DWB_FORWARD(dwb_forward_k25, 25, 4)
+static void dwb_forward_any(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t step, int64_t wo,
+                            const float *restrict wb, vf bv, float *restrict prow) {
+    int64_t xx = 0;
+    for (; xx + 4 <= wo; xx += 4) {
+        const float *base = xs + xx * step;
+        vf a0 = bv, a1 = bv, a2 = bv, a3 = bv;
+        for (int64_t i = 0; i < k; i++) {
+            vf wv = loadu(wb + i * GB);
+            a0 += wv * loadu(base + off[i]);
+            a1 += wv * loadu(base + step + off[i]);
+            a2 += wv * loadu(base + 2 * step + off[i]);
+            a3 += wv * loadu(base + 3 * step + off[i]);
+        }
+        __builtin_memcpy(prow + xx * GB, &a0, sizeof a0);
+        __builtin_memcpy(prow + (xx + 1) * GB, &a1, sizeof a1);
+        __builtin_memcpy(prow + (xx + 2) * GB, &a2, sizeof a2);
+        __builtin_memcpy(prow + (xx + 3) * GB, &a3, sizeof a3);
+    }
+    for (; xx < wo; xx++) {
+        const float *base = xs + xx * step;
+        vf acc = bv;
+        for (int64_t i = 0; i < k; i++)
+            acc += loadu(wb + i * GB) * loadu(base + off[i]);
+        __builtin_memcpy(prow + xx * GB, &acc, sizeof acc);
+    }
+}
+
+/* the weight gradient of taps [i0, i0 + T) over the plane: s_i = sum_{y, x} g(y, x) xs(sh y wp GB + x step + off_i), one
+ * float32 vector per tap (T independent chains: the plane's positions in order for each), added into gtot in float64 */
+#define DWB_WGRAD(NAME, T)                                                                                             \
+    static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t i0, int64_t sh, int64_t wp,      \
+                     int64_t step, int64_t ho, int64_t wo, const float *restrict g, double *restrict gtot) {          \
+        vf s[T];                                                                                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < (T); j++) s[j] = (vf){0};                                         \
+        for (int64_t y = 0; y < ho; y++) {                                                                             \
+            const float *xr = xs + sh * y * wp * GB, *gy = g + y * wo * GB;                                            \
+            for (int64_t xx = 0; xx < wo; xx++) {                                                                      \
+                vf gv = loadu(gy + xx * GB);                                                                           \
+                const float *xp = xr + xx * step;                                                                      \
+                _Pragma("GCC unroll 8") for (int j = 0; j < (T); j++) s[j] += gv * loadu(xp + off[i0 + j]);           \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int j = 0; j < (T); j++)                                                                                  \
+            for (int t = 0; t < GB; t++)                                                                               \
+                gtot[(i0 + j) * GB + t] += (double)s[j][t];                                                            \
+    }
+DWB_WGRAD(dwb_wgrad_8, 8)
+DWB_WGRAD(dwb_wgrad_1, 1)
+
+/* qt_depthwise_direct with GB channels per vector instead of VL output columns, for small planes (a 7 x 7 output
+ * fills 7 of 16 lanes per plane row there, and each plane pays its own padded copy and lane sums). Per block of GB
+ * channels and sample: the zero-padded planes interleaved (xs: hp wp columns of GB floats; the border zeroed once per
+ * call and never written) and the block's target rows (ts: ho wo x GB); then over the plane
+ *   p = bias + sum_i w_i x(pos + o_i)          dwb_forward_*: qt_depthwise_forward's floats
+ *   r = clamp(p, lo, hi) - target; g = gscale r m       act_residual_lanes: act_residual_row's floats
+ *   gw_i += g x(pos + o_i)                     one float32 vector per tap over the plane, then float64 per channel
+ *   gb += g, sse += r^2                        float64 per channel, in position order
+ * p, r and g are qt_depthwise_direct's bits; gw, gb and sse are sums of the same terms in another order (float
+ * rounding apart). Work items: blocks [q0, q1) of ceil(c / GB). Scratch (floats): xs hp wp GB, ts ho wo GB, wb k GB,
+ * prow ho wo GB (the plane's outputs, then its output gradient); tot: (k + 2) GB doubles. gw NULL: the loss alone;
+ * gb NULL: no bias gradient. */
+void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, const int64_t *idx, const float *x,
+                                 int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh,
+                                 int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
+                                 const float *target, float lo, float hi, float wlo, float whi, float gscale, float *gw,
+                                 float *gb, double *sse, float *xs, float *ts, float *wb, float *prow, double *tot) {
+    int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
+    int64_t off[k];
+    for (int64_t a = 0; a < kh; a++)
+        for (int64_t b = 0; b < kw; b++)
+            off[a * kw + b] = (a * wp + b) * GB;
+    void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, float *) =
+        k == 9 ? dwb_forward_k9 : (k == 25 ? dwb_forward_k25 : dwb_forward_any);
+    __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
+    double *gtot = tot, *ssel = tot + k * GB, *gsl = ssel + GB;
+    for (int64_t q = q0; q < q1; q++) {
+        int64_t c0 = q * GB, cn = c - c0 < GB ? c - c0 : GB;
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t t = 0; t < GB; t++)
+                wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
+        float bb[GB];
+        for (int64_t t = 0; t < GB; t++)
+            bb[t] = (bias != NULL && t < cn) ? bias[c0 + t] : 0.0f;
+        vf bv = loadu(bb);
+        for (int64_t j = 0; j < (k + 2) * GB; j++)
+            tot[j] = 0.0;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + (idx[b] * c + c0) * plane;
+            for (int64_t r = 0; r < h; r++)
+                interleave_rows(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+            interleave_rows(ts, target + (idx[b] * c + c0) * len, len, len, cn);
+            for (int64_t y = 0; y < ho; y++)
+                forward(xs + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
+            act_residual_lanes(len * GB, prow, ts, lo, hi, wlo, whi, gscale, ssel, gsl);
+            if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
+                int64_t i = 0;
+                for (; i + 8 <= k; i += 8)
+                    dwb_wgrad_8(xs, off, i, sh, wp, step, ho, wo, prow, gtot);
+                for (; i < k; i++)
+                    dwb_wgrad_1(xs, off, i, sh, wp, step, ho, wo, prow, gtot);
+            }
+        }
+        for (int64_t t = 0; t < cn; t++) {
+            for (int64_t i = 0; gw != NULL && i < k; i++)
+                gw[(c0 + t) * k + i] = (float)gtot[i * GB + t];
+            if (gb != NULL)
+                gb[c0 + t] = (float)gsl[t];
+            sse[c0 + t] = ssel[t];
+        }
+    }
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 10; }
+int qt_cpu_steps_version(void) { return 11; }

@@ -39,7 +39,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 10
+_VERSION = 11
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -68,6 +68,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
         [ptr] * 6
+    lib.qt_depthwise_direct_blocked.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + \
+        [f32] * 5 + [ptr] * 8
+    lib.qt_depthwise_direct_blocked.restype = None
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
@@ -346,6 +349,10 @@ def _depthwise_geometry(x: torch.Tensor, kernel, stride, padding):
 
 #: the C kernels' register block (output columns): the scratch's zeroed slack past a padded plane
 _VL = 16
+#: channels per vector of the channel-blocked kernels (GB in cpu_steps.c)
+_GB = 16
+#: depthwise_direct runs channel-blocked below this output width (else a plane at a time, VL columns per vector)
+DIRECT_BLOCKED_MAX_WIDTH = 29
 
 
 def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -394,7 +401,7 @@ def depthwise_wgrad(x: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, 
 
 def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
-                     gscale: float, bias_grad: bool, grads: bool = True):
+                     gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -410,12 +417,31 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64)
+    bias_c = None if bias is None else bias.contiguous()
+    if blocked is None:
+        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    if blocked:  # GB channels per vector (qt_depthwise_direct_blocked)
+        nblk = -(-c // _GB)
+        pool = _pool() if nblk > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
+        parts = 1 if pool is None else min(pool[1], nblk)
+        hp, wp, k = h + 2 * ph, w + 2 * pw, kh * kw
+        xs = torch.empty(parts, hp * wp * _GB, dtype=torch.float32)
+        ts = torch.empty(parts, ho * wo * _GB, dtype=torch.float32)
+        wb = torch.empty(parts, k * _GB, dtype=torch.float32)
+        prow = torch.empty(parts, ho * wo * _GB, dtype=torch.float32)
+        tot = torch.empty(parts, (k + 2) * _GB, dtype=torch.float64)
+        native.split(library().qt_depthwise_direct_blocked, nblk, pool,
+                     lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
+                                      weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi),
+                                      float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
+                                      xs[i].data_ptr(), ts[i].data_ptr(), wb[i].data_ptr(), prow[i].data_ptr(),
+                                      tot[i].data_ptr()))
+        return gw, gb, sse.sum()
     pool = _pool() if c > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
     scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
     plane = torch.empty(parts, ho * wo, dtype=torch.float32)
     tot = torch.empty(parts, kh * kw, dtype=torch.float64)
-    bias_c = None if bias is None else bias.contiguous()
     native.split(library().qt_depthwise_direct, c, pool,
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi), float(wlo),

@@ -329,15 +329,22 @@ def test_depthwise_forward_and_weight_gradient_equal_torch(channels, size, kerne
     torch.testing.assert_close(gw1, ref_w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["planes", "channel_blocks"])
 @pytest.mark.parametrize("channels,size,kernel,stride,padding,clamp", [
     (5, 12, 3, 1, 1, (0.0, 6.0, 0.0, 0.0)), (4, 21, 5, 2, 2, (-math.inf, math.inf, 1.0, 1.0)),
     (3, 9, (3, 5), (2, 3), (1, 2), (0.0, math.inf, 0.0, 1.0)), (6, 40, 3, 2, 1, (0.0, 6.0, 0.0, 0.0)),
     (3, 10, (2, 4), 1, (0, 1), (-1.0, 1.0, 0.5, 0.5)),
+    (37, 7, 5, 1, 2, (0.0, 6.0, 0.0, 0.0)), (20, 11, 3, 2, 1, (0.0, 6.0, 0.0, 0.0)),  # several blocks, a partial one
 ])
-def test_depthwise_direct_equals_forward_residual_wgrad(channels, size, kernel, stride, padding, clamp):
-    """The one-pass depthwise direct loss gives the three-call composition's results: the weight gradient to the
-    bit (depthwise_forward, act_residual, depthwise_wgrad), the bias gradient and the loss to float rounding (their
-    sums in float64 per channel); the same bits on two threads; no bias gradient when none is asked for."""
+def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, size, kernel, stride, padding, clamp,
+                                                        blocked):
+    """The one-pass depthwise direct loss gives the three-call composition's results, plane by plane and channel-
+    blocked (16 channels per vector): the weight gradient to the bit plane by plane (depthwise_forward, act_residual,
+    depthwise_wgrad) and to float rounding channel-blocked (float32 sums over the plane in another order), the bias
+    gradient and the loss to float rounding (their sums in float64 per channel; the loss to 1e-12, which only the
+    forward's and the residual's own floats give); the same bits on two threads; no bias gradient when none is
+    asked for."""
+    monkeypatch.setattr(cpu_steps, "PARALLEL_MIN", 1)  # the threads split even these small layers
     gen = torch.Generator().manual_seed(6)
     conv = torch.nn.Conv2d(channels, channels, kernel, stride=stride, padding=padding, groups=channels)
     x = torch.randn(4, channels, size, size + 5, generator=gen)
@@ -356,19 +363,23 @@ def test_depthwise_direct_equals_forward_residual_wgrad(channels, size, kernel, 
         for threads in (1, 2):
             torch.set_num_threads(threads)
             got.append(cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding, target,
-                                                  lo, hi, wlo, whi, 0.25, True))
+                                                  lo, hi, wlo, whi, 0.25, True, blocked=blocked))
     finally:
         torch.set_num_threads(before)
     (gw, gb, sse), (gw2, gb2, sse2) = got
-    assert torch.equal(gw.view(torch.int32), ref_w.view(torch.int32))
+    if blocked:
+        torch.testing.assert_close(gw, ref_w, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(gw.view(torch.int32), ref_w.view(torch.int32))
     assert torch.equal(gw, gw2) and torch.equal(gb, gb2) and float(sse) == float(sse2)
     torch.testing.assert_close(gb, ref_b, rtol=1e-6, atol=1e-6)
     assert abs(float(sse) - float(ref_sse)) <= 1e-12 * float(ref_sse)
     gw3, gb3, _ = cpu_steps.depthwise_direct(x, idx, w, None, conv.kernel_size, conv.stride, conv.padding, target,
-                                             lo, hi, wlo, whi, 0.25, False)
+                                             lo, hi, wlo, whi, 0.25, False, blocked=blocked)
     assert gb3 is None and gw3.shape == gw.shape
     none_w, none_b, alone = cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding,
-                                                       target, lo, hi, wlo, whi, 0.0, True, grads=False)
+                                                       target, lo, hi, wlo, whi, 0.0, True, grads=False,
+                                                       blocked=blocked)
     assert none_w is None and none_b is None and float(alone) == float(sse)  # the loss alone: the same sums
 
 
