@@ -564,7 +564,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         quad = quad[0]
         loss_before = quad.start_value()
     else:
-        # else the layer's written-out forward (for the written-out steps), its loss checked on one sample
+        # else the layer's written-out forward (for the written-out steps); it is checked against the forward path
+        # on one sample below, and its loss before replaced by the forward path's if it fails
         direct = direct_for() if direct_for is not None and manual_gradient else None
         loss_before = direct[0].value() if direct is not None else _loss_on_all(fn, ld, output_q=out_q)
     rec.loss_before = rec.loss_after = loss_before
@@ -598,14 +599,10 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             params += [layer.weight] + ([layer.bias] if s.update_bias and layer.bias is not None else [])
     for p in params:
         p.requires_grad_(True)
-    lr = s.learning_rate
-    if s.lr_adjust is not None and loss_before > s.lr_adjust[0]:
-        lr = s.lr_adjust[1]  # Quark's LRAdjust: a layer with a large error gets its own learning rate
-        rec.add_note(f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}")
-    opt = _adam(params, lr)
     steps = _manual_steps(layers, hooks, s) if manual_gradient else None
     # the loss with its gradient written out: the Gram matrices' quadratic form, else the layer's direct loss
-    # (its forward and weight-gradient convolutions without autograd), where the steps give the values
+    # (its forward and weight-gradient convolutions without autograd), where the steps give the values and it
+    # computes what the forward path and autograd do on one sample
     lossfn = quad
     if direct is not None:
         if steps is not None and _direct_gradient_agrees(direct[0], fn, ld, steps):
@@ -613,6 +610,19 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             rec.add_note(direct[1])
         else:
             direct = None
+            loss_before = rec.loss_before = rec.loss_after = _loss_before_by_forward(layers, saved, fn, ld, out_q)
+            if not math.isfinite(loss_before):
+                for p in params:
+                    p.requires_grad_(False)
+                _restore_layers(layers, saved)
+                rec.kept = False
+                rec.add_note("loss before finetuning is not finite; layer left as it was")
+                return rec
+    lr = s.learning_rate
+    if s.lr_adjust is not None and loss_before > s.lr_adjust[0]:
+        lr = s.lr_adjust[1]  # Quark's LRAdjust: a layer with a large error gets its own learning rate
+        rec.add_note(f"LRAdjust: loss {loss_before:.4g} > {s.lr_adjust[0]:.4g}, learning rate {lr:g}")
+    opt = _adam(params, lr)
     gen = torch.Generator().manual_seed(int(s.fixed_seed) + index)
     warm = int(math.ceil(s.warm_start * s.num_iterations))
     # EarlyStop (Quark 0.13's rule): after the warm start, the mean loss of each window of iterations (NumBatches
@@ -741,13 +751,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     rec.loss_after = loss_after
     restore = diverged or not math.isfinite(loss_after) or (s.selective_update and loss_after >= loss_before)
     if restore:
-        for layer, (observer, rounding, w0, b0) in zip(layers, saved):
-            with torch.no_grad():
-                layer.weight.copy_(w0)
-                if b0 is not None:
-                    layer.bias.copy_(b0)
-            layer.weight_quantizer.set_rounding(rounding)
-            layer.weight_quantizer._observer_enabled, layer.weight_quantizer._observer_auto_off = observer
+        _restore_layers(layers, saved)
         rec.kept = False
         rec.loss_after = loss_before
         why = ("the loss diverged (NaN/Inf): layer restored" if diverged or not math.isfinite(loss_after)
@@ -756,6 +760,31 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
+
+
+def _restore_layers(layers, saved) -> None:
+    """Put the layers back as ``_reconstruct`` found them: ``saved`` per layer ``(observer state, rounding, weight,
+    bias)``."""
+    for layer, (observer, rounding, w0, b0) in zip(layers, saved):
+        with torch.no_grad():
+            layer.weight.copy_(w0)
+            if b0 is not None:
+                layer.bias.copy_(b0)
+        layer.weight_quantizer.set_rounding(rounding)
+        layer.weight_quantizer._observer_enabled, layer.weight_quantizer._observer_auto_off = observer
+
+
+def _loss_before_by_forward(layers, saved, fn, ld, out_q) -> float:
+    """The forward path's loss over all samples with the layers' starting weights: their roundings as ``saved`` for
+    the duration (an AdaRound hook, set up already, soft-rounds to the float weight, not to its quantization)."""
+    now = [layer.weight_quantizer.rounding for layer in layers]
+    try:
+        for layer, (_, rounding, _, _) in zip(layers, saved):
+            layer.weight_quantizer.set_rounding(rounding)
+        return _loss_on_all(fn, ld, output_q=out_q)
+    finally:
+        for layer, hook in zip(layers, now):
+            layer.weight_quantizer.set_rounding(hook)
 
 
 def _finite(losses: Optional[torch.Tensor], params: List[torch.Tensor]) -> bool:
@@ -973,8 +1002,8 @@ def _direct_output_agrees(direct, fn, ld) -> bool:
 def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module, fn):
     """(:class:`DirectLayerLoss`, note) when the layer's loss can be written out: a Conv1d / Conv2d / Linear
     (:func:`_plain_layer_input`) on its own output or through a clamp-like activation (``act_module``: the
-    activation's module, None for none, False when it is no module), whose output on the first sample equals the
-    forward path's (``fn``, the layer's current weights). Else None."""
+    activation's module, None for none, False when it is no module). Else None. Whether its output, loss and
+    gradients are the forward path's is checked before it trains (:func:`_direct_gradient_agrees`)."""
     x = _plain_layer_input(qm, node, layer, ld, s, out_q) if act_module is not False else None
     if x is None:
         return None
@@ -988,17 +1017,16 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
         module.weight
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
-    if not _direct_output_agrees(direct, fn, ld):
-        return None
     return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 
 def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
-    """Whether :class:`DirectLayerLoss` gives autograd's loss and gradients through the layer's own forward
-    (``fn``, with the written-out step's values as leaves) on the first sample, against a target moved by
-    noise of the output's root mean square (a fixed seed): the residual then dwarfs float rounding, which a layer that
-    nearly reconstructs its target would amplify. Outputs within 1e-3 of the largest output from an activation
-    bound get no noise (a rounding-level difference between the two forwards may clamp one and not the other)."""
+    """Whether :class:`DirectLayerLoss` gives the forward path's output (``fn``, with the written-out step's values
+    as leaves: DIRECT_CHECK_RTOL_OUTPUT of its largest magnitude) and autograd's loss and gradients through it on
+    the first sample, against a target moved by noise of the output's root mean square (a fixed seed): the residual
+    then dwarfs float rounding, which a layer that nearly reconstructs its target would amplify. Outputs within
+    1e-3 of the largest output from an activation bound get no noise (a rounding-level difference between the two
+    forwards may clamp one and not the other)."""
     if len(steps) != 1:
         return False
     step, pqs = steps[0]
@@ -1010,6 +1038,8 @@ def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
             pq.override = v
         with torch.enable_grad():
             pred = fn({a: xb})
+            if not isinstance(pred, torch.Tensor) or pred.shape != ld.target[:1].shape:
+                return False
             with torch.no_grad():
                 noise = torch.randn(pred.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
                 p = pred.detach()
@@ -1032,6 +1062,13 @@ def _direct_gradient_agrees(direct, fn, ld, steps) -> bool:
     with torch.no_grad():
         check = DirectLayerLoss(direct.module, xb, target, (direct.lo, direct.hi, direct.wlo, direct.whi),
                                 direct.bias)
+        ids = torch.zeros(1, dtype=torch.int64)
+        got = check._forward(ids, vals[0].detach(), vals[1].detach() if len(vals) > 1 else check.bias)[0]
+        got = got if check.identity else got.clamp(check.lo, check.hi)
+        ref = pred.detach()
+        if got.shape != ref.shape or not bool(torch.isfinite(got).all()) or \
+                float((got - ref).abs().max()) > DIRECT_CHECK_RTOL_OUTPUT * float(ref.abs().max()) + 1e-30:
+            return False
         gw, gb, lv = check.gradient([0], vals[0].detach(), 1.0,
                                     bias=vals[1].detach() if len(vals) > 1 else None)
         pairs = [(gw, vals[0].grad)] + ([(gb, vals[1].grad)] if len(vals) > 1 else [])

@@ -450,8 +450,9 @@ def test_direct_loss_after_comes_from_the_outputs_the_next_layers_read(monkeypat
 
 def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     """A direct loss whose forward disagrees with the layer's (here: an offset added to its output) fails the check
-    on sample 0 and the layer trains by autograd's forward path, as without it; one given a wrong activation once
-    past that check (a clamp at 0 where the layer has none) fails the gradient check."""
+    on sample 0 and the layer trains by autograd's forward path, as without it, its loss before the forward path's
+    (with the starting weights: AdaRound's rounding hook, already set up, kept out of it); one given a wrong
+    activation (a clamp at 0 where the layer has none) fails the check too."""
     import importlib
 
     rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
@@ -461,11 +462,17 @@ def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
         return _finetuned_layers("adaround", 30, quadratic_loss=False)
 
     assert any("direct loss" in r.note for r in run())
+    with monkeypatch.context() as mp:
+        mp.setattr(ff, "_direct_loss", lambda *a, **k: None)
+        forward = {r.name: r for r in run()}
     orig_forward = rc.DirectLayerLoss._forward
     monkeypatch.setattr(rc.DirectLayerLoss, "_forward",
                         lambda self, *a: (lambda out: (out[0].add_(1.0), out[1]))(orig_forward(self, *a)))
     recs = run()
     assert not any("direct loss" in r.note for r in recs) and all(math.isfinite(r.loss_after) for r in recs)
+    for r in recs:  # the same training as without a direct loss: the forward path's losses
+        assert r.loss_before == pytest.approx(forward[r.name].loss_before, rel=1e-6), r.name
+        assert r.loss_after == pytest.approx(forward[r.name].loss_after, rel=1e-6), r.name
     monkeypatch.undo()
     checked = []
     orig_check = ff._direct_gradient_agrees
