@@ -502,6 +502,8 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
 
         with torch.no_grad():
             ld.target = act_fn({act_input: ld.target})
+        if act_input is node or ex.f_gm is ex.q_gm:  # (quantizers in between pass the float pass through)
+            ex.give_float(act_node, ld.target)  # the float pass's activation: computed once
         quadratic_loss = False
         act_module = qm.gm.get_submodule(str(act_node.target)) if act_node.op == "call_module" else False
     out_q = _output_quantizer(qm, node) if s.output_qdq else None

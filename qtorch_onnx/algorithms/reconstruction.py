@@ -324,6 +324,7 @@ class StagedExecutor:
         self.chunk_dev = [c % len(self.devices) for c in range(len(chunks))]
         self.chunks = [tuple(t.to(self.devices[j]) for t in ch) if j else tuple(ch)
                        for ch, j in zip(chunks, self.chunk_dev)]
+        self._chunk_sizes = [int(ch[0].shape[0]) if ch and ch[0].dim() else 1 for ch in self.chunks]
         if mem_opt_level >= 2 and cache_dir is not None:
             os.makedirs(cache_dir, exist_ok=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="qtorch_ft_", dir=cache_dir) if mem_opt_level >= 2 else None
@@ -352,6 +353,8 @@ class StagedExecutor:
         self._q_interps = [fx.Interpreter(m) for m in self.q_models]
         self._f_interps = [fx.Interpreter(m) for m in self.f_models] if self.f_models is not None else None
         self._float_pass = quantization_off if f_gm is q_gm else contextlib.nullcontext
+        # float values of nodes the caller computed already (give_float), stored by the node's next step
+        self._given: Dict[str, List[torch.Tensor]] = {}
 
     def _fn_interp(self) -> fx.Interpreter:
         """One Interpreter of the quantized graph for every layer / block function (building one walks the
@@ -413,6 +416,10 @@ class StagedExecutor:
             if quantized:
                 self._store(self.q_env, node.name, [self._run(self._q_interps, self.q_env, node, c) for c in runs])
             if float_too and self.f_gm is not None:
+                given = self._given.pop(node.name, None)
+                if given is not None:
+                    self._store(self.f_env, node.name, given)
+                    return
                 fnode = self.f_by_name[node.name]
                 with self._float_pass():
                     self._store(self.f_env, node.name, [self._run(self._f_interps, self.f_env, fnode, c)
@@ -460,6 +467,18 @@ class StagedExecutor:
         self.step(node, quantized=False, float_too=True)  # the float target
         data.target = self._stack(self.f_env, node.name)
         return data
+
+    def give_float(self, node: fx.Node, value: torch.Tensor) -> None:
+        """The float pass's value of ``node`` for every sample (``[N, ...]``, the chunks' samples in order, as
+        :meth:`layer_data` stacks them), computed by the caller from the float values this executor gave it (a
+        following activation on a layer's float target); the node's next step stores it, split per chunk onto the
+        chunks' devices, instead of computing it again. A constant node, or a value without one row per sample, is
+        ignored (the step computes it)."""
+        if self.f_gm is None or self.const.get(node.name, True) or not isinstance(value, torch.Tensor) \
+                or value.dim() == 0 or value.shape[0] != sum(self._chunk_sizes):
+            return
+        parts = value.split(self._chunk_sizes)
+        self._given[node.name] = [p.to(self.devices[j]) for p, j in zip(parts, self.chunk_dev)]
 
     def chunk_data(self, node: fx.Node, chunk: int) -> Tuple[Dict[fx.Node, torch.Tensor], torch.Tensor]:
         """``(activation inputs, float output)`` of ``node`` for one chunk of samples, unstacked (chunks may

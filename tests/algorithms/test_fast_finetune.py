@@ -448,6 +448,46 @@ def test_direct_loss_after_comes_from_the_outputs_the_next_layers_read(monkeypat
         assert loss == pytest.approx(value, rel=1e-5), name
 
 
+def test_the_float_activation_is_computed_once_with_the_same_bytes(monkeypatch):
+    """A layer reconstructed through its following activation hands the activation's float output (computed on its
+    target) to the staged float pass, which stores it instead of computing it again: the same exported bytes and
+    layer losses as when the pass computes it, every value given is used, and the given values are those the pass
+    would compute, bit for bit."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+
+    def run():
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=20, batch_size=2, progress=False,
+                      update_bias=True, learning_rate=1e-4)
+        return qo.export(qm, None).SerializeToString(), [(r.loss_before, r.loss_after) for r in qm.finetune_report.layers]
+
+    given, orig_give, orig_step = [], rc.StagedExecutor.give_float, rc.StagedExecutor.step
+
+    def give(self, node, value):
+        orig_give(self, node, value)
+        if node.name in self._given:
+            given.append(node.name)
+
+    def step(self, node, **kw):
+        pending = self._given.get(node.name)
+        orig_step(self, node, **kw)
+        if pending is not None:  # what the float pass computes for it, from the same inputs
+            fnode = self.f_by_name[node.name]
+            with torch.no_grad(), self._float_pass():
+                fresh = [self._run(self._f_interps, self.f_env, fnode, c) for c in range(len(self.chunks))]
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(pending, fresh))
+            assert node.name not in self._given
+
+    monkeypatch.setattr(rc.StagedExecutor, "give_float", give)
+    monkeypatch.setattr(rc.StagedExecutor, "step", step)
+    with_given = run()
+    assert given, "no layer handed its activation's float output"
+    monkeypatch.setattr(rc.StagedExecutor, "give_float", lambda self, node, value: None)
+    assert run() == with_given
+
+
 def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     """A direct loss whose forward disagrees with the layer's (here: an offset added to its output) fails the check
     on sample 0 and the layer trains by autograd's forward path, as without it, its loss before the forward path's
