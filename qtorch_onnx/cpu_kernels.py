@@ -91,18 +91,24 @@ def _check(x: torch.Tensor, what: str):
     return lib
 
 
-def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin: float, qmax: float) -> torch.Tensor:
+def fake_quantize_tensor(x: torch.Tensor, scale: float, zero_point: float, qmin: float, qmax: float,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``fake_quantize(x, scale, zero_point)`` for one scale and zero point (``formats.integer``, a type of at most
-    16 bits with range ``[qmin, qmax]``), in one pass: a new float32 tensor of ``x``'s shape. ``x``: contiguous
-    float32 on the CPU; ``scale``: the float32 scale's value; ``zero_point``: the integer zero point as a float.
-    Bit for bit the torch path's result (NaN -> ``(qmin - zero_point) * scale``, +-Inf saturate).
+    16 bits with range ``[qmin, qmax]``), in one pass: a new float32 tensor of ``x``'s shape, or ``out`` filled
+    with it (``x`` itself is allowed: each element is read before it is written). ``x``: contiguous float32 on the
+    CPU; ``scale``: the float32 scale's value; ``zero_point``: the integer zero point as a float. Bit for bit the
+    torch path's result (NaN -> ``(qmin - zero_point) * scale``, +-Inf saturate).
 
     Raises:
-        ValueError: ``x`` not a contiguous float32 CPU tensor, or the library is unavailable (check
-            :func:`available` first).
+        ValueError: ``x`` (or ``out``: contiguous float32 of ``x``'s shape on the CPU) not a contiguous float32 CPU
+            tensor, or the library is unavailable (check :func:`available` first).
     """
     lib = _check(x, "fake_quantize_tensor")
-    y = torch.empty_like(x)
+    if out is not None and (out.dtype != torch.float32 or out.shape != x.shape or not out.is_contiguous()
+                            or out.device.type != "cpu"):
+        raise ValueError(f"fake_quantize_tensor: out must be a contiguous float32 CPU tensor of shape "
+                         f"{tuple(x.shape)}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    y = torch.empty_like(x) if out is None else out
     args = (x.data_ptr(), y.data_ptr(), float(scale), float(zero_point), float(qmin), float(qmax))
     _run_rows(x, x.numel(), lib.qt_fake_quantize_tensor, lambda i, a, b: (a, b) + args)
     return y

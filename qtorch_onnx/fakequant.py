@@ -581,6 +581,24 @@ class FakeQuantize(nn.Module):
             return _cpu_kernels.fake_quantize_tensor(x, float(scale), float(zp), lo, hi)
         return _integer.fake_quantize_ste(x, scale, zp, fmt, axis=axis, narrow_range=self.narrow_range)
 
+    def quantize_into(self, x: torch.Tensor) -> bool:
+        """Fake-quantize ``x`` in place (overwriting it) when this quantizer's :meth:`forward` would give exactly
+        the one-pass CPU kernel's result of :meth:`_qdq_integer` (an activation quantizer, per tensor, an integer
+        type of at most 16 bits, calibrated, observer off, no learnable qparams or rounding hook, ``x`` a contiguous
+        float32 CPU tensor that wants no gradient); returns whether it did (False: ``x`` untouched, call the
+        module). For a caller that owns ``x`` and discards it (the staged passes' tensors read for the last time):
+        the same bits without a new tensor."""
+        if (self.role != "activation" or not x.is_floating_point() or getattr(_SWITCH, "off", False)
+                or self.observer_enabled or self._bias_sources is not None or self.learnable
+                or not self.fake_quant_enabled or not self.calibrated or self.rounding is not None
+                or self.fmt.family.name != "integer" or self.scale.dim() > 0 or self.fmt.bits > 16
+                or self.scale.dtype != torch.float32 or self.zero_point.is_floating_point()
+                or not _cpu_kernel_applies(x, _cpu_kernels.MIN_ELEMENTS, self.scale)):
+            return False
+        lo, hi = _integer.quant_range(self.fmt, self.narrow_range)
+        _cpu_kernels.fake_quantize_tensor(x, float(self.scale), float(self.zero_point), lo, hi, out=x)
+        return True
+
     def _qdq_float(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 / FP16 rounding in its export form (docs/numerics.md section 3): Q/DQ or Cast, scaled or not."""
         fmt = self.fmt

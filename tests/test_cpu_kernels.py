@@ -102,6 +102,44 @@ def test_fake_quantize_module_uses_it_in_evaluation_only(monkeypatch):
     assert calls == [1]
 
 
+def test_in_place_fake_quantization_gives_the_same_bits():
+    """``out=x`` computes in place (each element read before it is written) to the out-of-place bits; a wrong
+    ``out`` is refused; ``FakeQuantize.quantize_into`` overwrites only where its forward is that kernel and
+    leaves the tensor alone (returning False) everywhere else."""
+    x = torch.randn(4, 16, 20, 20, generator=torch.Generator().manual_seed(5)) * 8
+    x.view(-1)[::97] = float("nan")
+    ref = cpu_kernels.fake_quantize_tensor(x, 0.05, 3.0, 0, 255)
+    y = x.clone()
+    assert cpu_kernels.fake_quantize_tensor(y, 0.05, 3.0, 0, 255, out=y) is y
+    assert torch.equal(_bits(y), _bits(ref))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_kernels.fake_quantize_tensor(x, 0.05, 3.0, 0, 255, out=torch.empty(4, 16, 20, 19))
+    fq = _quantizer()
+    with torch.no_grad():
+        want = fq(x)
+    y = x.clone()
+    assert fq.quantize_into(y) and torch.equal(_bits(y), _bits(want))
+    # not that kernel's forward: the tensor stays as it was
+    cases = []
+    observing = _quantizer()
+    observing._observer_enabled = True
+    cases.append((observing, x))
+    off = _quantizer()
+    off.fake_quant_enabled = False
+    cases.append((off, x))
+    per_channel = _quantizer()
+    per_channel.set_qparams(torch.full((16,), 0.05), torch.full((16,), 128, dtype=torch.int64))
+    per_channel.axis = 1
+    cases.append((per_channel, x))
+    cases.append((_quantizer(), torch.randn(7, 5)))  # below MIN_ELEMENTS
+    cases.append((_quantizer(), x.transpose(2, 3)))  # not contiguous
+    weight = FakeQuantize(UINT8, tensor_name="w", role="weight")
+    cases.append((weight, x))
+    for q, t in cases:
+        t0 = t.clone()
+        assert not q.quantize_into(t) and torch.equal(_bits(t), _bits(t0))
+
+
 def test_switch_off(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     monkeypatch.setattr(cpu_kernels, "_state", {})

@@ -488,6 +488,54 @@ def test_the_float_activation_is_computed_once_with_the_same_bytes(monkeypatch):
     assert run() == with_given
 
 
+def test_staged_pass_overwrites_only_inputs_nobody_else_holds(monkeypatch):
+    """The quantized staged pass computes an activation quantizer (or a baked Clip) into its input when that input
+    is read for the last time and shares its memory with nothing else the executor holds: here ``q(x * 2)`` (a
+    fresh tensor) is, ``q(view of a)`` with ``a`` read again later is not, and every value equals the module's own
+    forward bit for bit."""
+    from torch import fx
+
+    from qtorch_onnx.algorithms import reconstruction as rc
+    from qtorch_onnx.fakequant import FakeQuantize
+    from qtorch_onnx.formats.spec import INT8
+    from qtorch_onnx.lift.ops_math import OnnxClip
+
+    def quantizer():
+        fq = FakeQuantize(INT8, tensor_name="t", role="activation")
+        fq.set_qparams(torch.tensor(0.05), torch.tensor(0, dtype=torch.int64))
+        fq.fake_quant_enabled = True
+        return fq
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q1, self.q2, self.clip = quantizer(), quantizer(), OnnxClip(0.0, 1.5, baked=True)
+
+        def forward(self, x):
+            fresh = self.clip(self.q1(x * 2.0))  # x * 2 dies at q1, q1's output at clip: both overwritten
+            a = x + 1.0
+            b = self.q2(a.view(-1))  # a's view dies here, but a is read again below: not overwritten
+            return fresh.sum() + b.sum() + a.sum()
+
+    class Leaves(fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, (FakeQuantize, OnnxClip)) or super().is_leaf_module(m, name)
+
+    net = Net()
+    gm = fx.GraphModule(net, Leaves().trace(net))
+    x = torch.randn(16, 8, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = net(x)
+    overwritten = []
+    orig = rc._elementwise_into
+    monkeypatch.setattr(rc, "_elementwise_into", lambda m, v: overwritten.append(type(m).__name__) or orig(m, v))
+    ex = rc.StagedExecutor(gm, None, [(x.clone(),)], torch.device("cpu"))
+    ex.advance_to(None)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    assert torch.equal(ex.q_env[out.name][0].view(torch.int32), want.view(torch.int32))
+    assert overwritten == ["FakeQuantize", "OnnxClip"]  # q1 and clip; q2's input is a view of a live value
+
+
 def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     """A direct loss whose forward disagrees with the layer's (here: an offset added to its output) fails the check
     on sample 0 and the layer trains by autograd's forward path, as without it, its loss before the forward path's
