@@ -1209,5 +1209,49 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
     }
 }
 
+/* ------------------------------------------------------------ a small Gram-matrix layer's AdaQuant iteration */
+/* Fast finetune's iteration of a small Gram-matrix layer under AdaQuant, without its loss, in one call: the trained
+ * INT32 bias's values and mask (qt_bias_values), the mini-batch's gradients from the Gram matrices with those values
+ * (qt_gram_gradient), AdaQuant's straight-through step with Adam on the weight and the weight's next values
+ * (qt_adaquant_adam), then Adam's step on the bias (qt_masked_adam): the four calls the Python loop makes, in its
+ * order and with its arguments, so its bits, without four trips through ctypes and their Python (about 30 us of
+ * the 70 an iteration of such a layer took). b NULL: no trained bias (its two calls skipped). */
+typedef struct {
+    int64_t nids;
+    const int64_t *ids;
+    const float *flat;
+    int64_t len, g, o, k;
+    const float *wq, *w0, *b0;
+    float nl, f2;
+    float *acc, *dw, *R, *gb;
+    int64_t rows, channels, inner;
+    float *w;
+    const float *outside;
+    float *m, *v;
+    float b1, b2, eps, lr_c1, inv_c2;
+    const float *scale, *zp;
+    float lo, hi;
+    float *next, *next_outside;
+    int64_t nb;
+    float *b;
+    const double *s64;
+    const float *s32;
+    int64_t s_step;
+    double blo, bhi;
+    float *bq, *keep, *mb, *vb;
+    float lr_c1b, inv_c2b;
+} gram_adaquant_args;
+
+void qt_gram_adaquant_iteration(const gram_adaquant_args *a) {
+    if (a->b != NULL)
+        qt_bias_values(a->nb, a->b, a->s64, a->s32, a->s_step, a->blo, a->bhi, a->bq, a->keep);
+    qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0, a->b != NULL ? a->bq : NULL,
+                     a->b0, a->nl, a->f2, a->acc, a->dw, a->R, a->gb);
+    qt_adaquant_adam(0, a->rows, a->channels, a->inner, a->w, a->R, a->outside, a->m, a->v, a->b1, a->b2, a->eps,
+                     a->lr_c1, a->inv_c2, a->scale, a->zp, a->lo, a->hi, a->next, a->next_outside);
+    if (a->b != NULL)
+        qt_masked_adam(a->nb, a->b, a->gb, a->keep, a->mb, a->vb, a->b1, a->b2, a->eps, a->lr_c1b, a->inv_c2b);
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 11; }
+int qt_cpu_steps_version(void) { return 12; }

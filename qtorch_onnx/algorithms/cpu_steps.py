@@ -35,11 +35,12 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH"]
+           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH",
+           "GramAdaQuantArgs", "gram_adaquant_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 11
+_VERSION = 12
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -71,6 +72,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_direct_blocked.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + \
         [f32] * 5 + [ptr] * 8
     lib.qt_depthwise_direct_blocked.restype = None
+    lib.qt_gram_adaquant_iteration.argtypes = [ctypes.POINTER(GramAdaQuantArgs)]
+    lib.qt_gram_adaquant_iteration.restype = None
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
@@ -130,6 +133,28 @@ class RowLayout:
         zp = None if zero_point is None else flat(zero_point.expand(scale.shape) if zero_point.numel() == 1
                                                    and scale.numel() > 1 else zero_point)
         return RowLayout(rows, channels, n // rows, flat(scale), zp)
+
+
+class GramAdaQuantArgs(ctypes.Structure):
+    """The arguments of ``qt_gram_adaquant_iteration`` (cpu_steps.c's ``gram_adaquant_args``, field for field): one
+    AdaQuant iteration of a small Gram-matrix layer as :func:`gram_gradient`, :func:`bias_values`,
+    :func:`adaquant_adam` and :func:`masked_adam` compute it, in one call. Pointers are addresses (``data_ptr()``);
+    the tensors behind them must outlive the calls."""
+
+    _i, _p, _f, _d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+    _fields_ = [("nids", _i), ("ids", _p), ("flat", _p), ("len", _i), ("g", _i), ("o", _i), ("k", _i),
+                ("wq", _p), ("w0", _p), ("b0", _p), ("nl", _f), ("f2", _f),
+                ("acc", _p), ("dw", _p), ("R", _p), ("gb", _p),
+                ("rows", _i), ("channels", _i), ("inner", _i), ("w", _p), ("outside", _p), ("m", _p), ("v", _p),
+                ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("scale", _p), ("zp", _p),
+                ("lo", _f), ("hi", _f), ("next", _p), ("next_outside", _p),
+                ("nb", _i), ("b", _p), ("s64", _p), ("s32", _p), ("s_step", _i), ("blo", _d), ("bhi", _d),
+                ("bq", _p), ("keep", _p), ("mb", _p), ("vb", _p), ("lr_c1b", _f), ("inv_c2b", _f)]
+
+
+def gram_adaquant_iteration(args: GramAdaQuantArgs) -> None:
+    """Run ``qt_gram_adaquant_iteration`` on ``args`` (:class:`GramAdaQuantArgs`, filled by the caller)."""
+    library().qt_gram_adaquant_iteration(ctypes.byref(args))
 
 
 def _pool():

