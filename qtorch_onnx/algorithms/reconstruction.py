@@ -458,7 +458,8 @@ class StagedExecutor:
 
     def _may_overwrite_input(self, node: fx.Node) -> bool:
         """Whether the quantized pass may compute ``node`` into its input's memory: one positional input, read for
-        the last time here (``node`` stands at the executor's position), cached on a CPU at MemOptLevel 0, not a
+        the last time here (``node`` stands at the executor's position), cached on a CPU in memory (MemOptLevel 0 or
+        1: there the cached values are the tensors themselves), not a
         placeholder or constant, and sharing its storage with no other value the executor holds (a view or an
         identity's output of it, a float-pass value, a chunk of input, a value given for later). The staged passes'
         activations are then updated in place instead of allocated anew (EfficientNet-Lite0: the 112x112 layers'
@@ -466,7 +467,7 @@ class StagedExecutor:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
             return False
         a = node.args[0]
-        if not self.level0 or self.device.type != "cpu" or a.op == "placeholder" or self.const.get(a.name, True) \
+        if self.spill.level > 1 or self.device.type != "cpu" or a.op == "placeholder" or self.const.get(a.name, True) \
                 or self.last_use.get(a.name, -1) != self.pos or self.q_nodes[self.pos] is not node:
             return False
         if node.name not in self._elementwise:  # _elementwise_into's kinds of module, looked up once per node
