@@ -1253,5 +1253,33 @@ void qt_gram_adaquant_iteration(const gram_adaquant_args *a) {
         qt_masked_adam(a->nb, a->b, a->gb, a->keep, a->mb, a->vb, a->b1, a->b2, a->eps, a->lr_c1b, a->inv_c2b);
 }
 
+/* The same for AdaRound: the mini-batch's gradient from the Gram matrices at the soft-quantized weight wq
+ * (qt_gram_gradient, no bias), then the gradient with respect to alpha with the regulariser at beta and Adam's step
+ * on alpha with the next soft-quantized weight (qt_adaround_grad with its moments): the two calls the Python loop
+ * makes, with its arguments, so its bits. */
+typedef struct {
+    int64_t nids;
+    const int64_t *ids;
+    const float *flat;
+    int64_t len, g, o, k;
+    const float *wq, *w0;
+    float nl, f2;
+    float *acc, *dw, *R;
+    int64_t rows, channels, inner;
+    float *alpha;
+    const float *floor, *scale, *zp;
+    float lo, hi, beta, reg;
+    float *m, *v;
+    float b1, b2, eps, lr_c1, inv_c2;
+    float *next;
+} gram_adaround_args;
+
+void qt_gram_adaround_iteration(const gram_adaround_args *a) {
+    qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0, NULL, NULL, a->nl, a->f2,
+                     a->acc, a->dw, a->R, NULL);
+    qt_adaround_grad(0, a->rows, a->channels, a->inner, a->alpha, a->floor, a->scale, a->zp, a->lo, a->hi, a->R,
+                     a->beta, a->reg, NULL, a->m, a->v, a->b1, a->b2, a->eps, a->lr_c1, a->inv_c2, a->next);
+}
+
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 12; }
+int qt_cpu_steps_version(void) { return 13; }

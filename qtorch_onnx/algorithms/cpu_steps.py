@@ -36,11 +36,11 @@ from .. import native
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH",
-           "GramAdaQuantArgs", "gram_adaquant_iteration"]
+           "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 12
+_VERSION = 13
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -74,6 +74,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_direct_blocked.restype = None
     lib.qt_gram_adaquant_iteration.argtypes = [ctypes.POINTER(GramAdaQuantArgs)]
     lib.qt_gram_adaquant_iteration.restype = None
+    lib.qt_gram_adaround_iteration.argtypes = [ctypes.POINTER(GramAdaRoundArgs)]
+    lib.qt_gram_adaround_iteration.restype = None
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
@@ -155,6 +157,24 @@ class GramAdaQuantArgs(ctypes.Structure):
 def gram_adaquant_iteration(args: GramAdaQuantArgs) -> None:
     """Run ``qt_gram_adaquant_iteration`` on ``args`` (:class:`GramAdaQuantArgs`, filled by the caller)."""
     library().qt_gram_adaquant_iteration(ctypes.byref(args))
+
+
+class GramAdaRoundArgs(ctypes.Structure):
+    """The arguments of ``qt_gram_adaround_iteration`` (cpu_steps.c's ``gram_adaround_args``, field for field): one
+    AdaRound iteration of a small Gram-matrix layer as :func:`gram_gradient` and :func:`adaround_grad` (with Adam
+    and the next values) compute it, in one call. Pointers are addresses; the tensors must outlive the calls."""
+
+    _i, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    _fields_ = [("nids", _i), ("ids", _p), ("flat", _p), ("len", _i), ("g", _i), ("o", _i), ("k", _i),
+                ("wq", _p), ("w0", _p), ("nl", _f), ("f2", _f), ("acc", _p), ("dw", _p), ("R", _p),
+                ("rows", _i), ("channels", _i), ("inner", _i), ("alpha", _p), ("floor", _p), ("scale", _p),
+                ("zp", _p), ("lo", _f), ("hi", _f), ("beta", _f), ("reg", _f), ("m", _p), ("v", _p),
+                ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("next", _p)]
+
+
+def gram_adaround_iteration(args: GramAdaRoundArgs) -> None:
+    """Run ``qt_gram_adaround_iteration`` on ``args`` (:class:`GramAdaRoundArgs`, filled by the caller)."""
+    library().qt_gram_adaround_iteration(ctypes.byref(args))
 
 
 def _pool():

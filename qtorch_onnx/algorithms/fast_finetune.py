@@ -654,15 +654,17 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # the written-out losses skip their loss's products on iterations where nothing reads it: read are the
     # divergence checks every DIVERGENCE_CHECK iterations (with the trained tensors, which keep a NaN or Inf
     # gradient: _finite), the last iteration, EarlyStop's windows after the warm start and LogPeriod's lines
-    # a small Gram-matrix layer under AdaQuant: the iterations that read no loss in one C call
-    fused = _FusedGramIteration.of(quad, steps, opt, s) if lossfn is quad and rows is not None else None
+    # a small Gram-matrix layer: the iterations that read no loss in one C call
+    fused = (_FusedGramIteration.of(quad, steps, opt, s) or _FusedGramAdaRound.of(quad, steps, opt, s)) \
+        if lossfn is quad and rows is not None else None
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     try:
         for it in it_bar:
             want_loss = ((it + 1) % DIVERGENCE_CHECK == 0 or it + 1 == s.num_iterations or (s.early_stop and it >= warm)
                          or bool(s.log_period and (it + 1) % s.log_period == 0))
-            if fused is not None and not want_loss:  # no loss read, no divergence check, no regulariser here
-                fused(rows[draw])
+            if fused is not None and not want_loss:  # no loss read, no divergence check
+                fused(rows[draw], beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
+                      if hooks and it >= warm else None)
                 draw += 1
                 continue
             opt.zero_grad(set_to_none=True)
@@ -827,8 +829,8 @@ class _FusedGramIteration:
             a.blo, a.bhi = step.bias_range
             a.bq, a.keep = self.bq.data_ptr(), self.keep.data_ptr()
 
-    def __call__(self, idx: List[int]) -> None:
-        """One iteration on the mini-batch ``idx`` (a list of sample indices)."""
+    def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
+        """One iteration on the mini-batch ``idx`` (a list of sample indices); ``beta``: unused (AdaRound's)."""
         from . import cpu_steps
 
         step, quad, a = self.step, self.quad, self.args
@@ -851,6 +853,72 @@ class _FusedGramIteration:
             mb = self.opt.fused_moments(step.bias)
             a.mb, a.vb, a.lr_c1b, a.inv_c2b = mb.exp_avg.data_ptr(), mb.exp_avg_sq.data_ptr(), mb.lr_c1, mb.inv_c2
         cpu_steps.gram_adaquant_iteration(a)
+        step._next, step._saved = dst, None
+
+
+class _FusedGramAdaRound:
+    """:class:`_FusedGramIteration` for AdaRound: a small Gram-matrix layer's iteration without its loss in one C call
+    (:func:`~qtorch_onnx.algorithms.cpu_steps.gram_adaround_iteration`), what the loop does in two
+    (:meth:`QuadraticLayerLoss.gradient`'s one-call gradient at the soft-quantized weight, :meth:`AdaRoundStep.set_grads`'
+    fused gradient, regulariser and Adam step on ``alpha`` with the next weight), with their arguments, so their
+    bits. Build it with :meth:`of`."""
+
+    @staticmethod
+    def of(quad, steps, opt, s: FastFinetuneSettings) -> Optional["_FusedGramAdaRound"]:
+        """As :meth:`_FusedGramIteration.of`, for AdaRound's fused CPU step (no trained bias)."""
+        from . import cpu_steps
+
+        if quad is None or quad._small is None or quad.train_bias or steps is None or len(steps) != 1 \
+                or s.num_batches != 1 or not hasattr(opt, "fused_moments") or not cpu_steps.available():
+            return None
+        step = steps[0][0]
+        if type(step) is not AdaRoundStep or step.layout is None:
+            return None
+        return _FusedGramAdaRound(quad, step, opt, s.reg_param)
+
+    def __init__(self, quad, step: AdaRoundStep, opt, reg_param: float) -> None:
+        from . import cpu_steps
+
+        self.quad, self.step, self.opt, self.reg_param = quad, step, opt, float(reg_param)
+        alpha = step.alpha.detach()
+        g, out, k = quad.groups, quad.out, quad.k
+        self.R = torch.empty(g, out // g, k, dtype=torch.float32)
+        self.nexts = [torch.empty_like(alpha) for _ in range(2)]
+        self._ids = (ctypes.c_int64 * 64)()
+        a = self.args = cpu_steps.GramAdaRoundArgs()
+        length = quad._flat.shape[1]
+        a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
+        a.w0 = quad.w0.data_ptr()
+        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
+        lay = step.layout
+        a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
+        a.alpha, a.floor, a.scale = alpha.data_ptr(), step.floor.data_ptr(), lay.scale.data_ptr()
+        a.zp = lay.zero_point.data_ptr() if lay.zero_point is not None else None
+        a.lo, a.hi = step.lo, step.hi
+
+    def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
+        """One iteration on the mini-batch ``idx`` (a list of sample indices), the regulariser at ``beta`` (None:
+        the warm start, no regulariser)."""
+        from . import cpu_steps
+
+        step, quad, a = self.step, self.quad, self.args
+        wq, step._next = step._next, None
+        if wq is None:
+            wq = cpu_steps.adaround_values(step.layout, step.alpha.detach(), step.floor, step.lo, step.hi)
+        dst = self.nexts[1] if self.nexts[0].data_ptr() == wq.data_ptr() else self.nexts[0]
+        n = len(idx)
+        if n > len(self._ids):
+            self._ids = (ctypes.c_int64 * n)()
+        for i, v in enumerate(idx):
+            self._ids[i] = v
+        a.nids, a.ids = n, ctypes.addressof(self._ids)
+        a.nl, a.f2 = float(n * quad.length), 2.0 * 1.0 / (n * quad.denominator)  # QuadraticLayerLoss.gradient's
+        a.wq, a.next = wq.data_ptr(), dst.data_ptr()
+        a.beta, a.reg = float(beta or 0.0), (self.reg_param if beta is not None else 0.0)  # adaround_grad's
+        mo = self.opt.fused_moments(step.alpha)
+        a.m, a.v, a.b1, a.b2, a.eps = mo.exp_avg.data_ptr(), mo.exp_avg_sq.data_ptr(), mo.beta1, mo.beta2, mo.eps
+        a.lr_c1, a.inv_c2 = mo.lr_c1, mo.inv_c2
+        cpu_steps.gram_adaround_iteration(a)
         step._next, step._saved = dst, None
 
 

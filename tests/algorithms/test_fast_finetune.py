@@ -543,27 +543,34 @@ def test_staged_pass_overwrites_only_inputs_nobody_else_holds(monkeypatch, level
     assert overwritten == (["FakeQuantize", "OnnxClip"] if level < 2 else [])
 
 
-@pytest.mark.parametrize("update_bias", [True, False])
-def test_fused_gram_iteration_gives_the_loops_bits(monkeypatch, update_bias):
-    """A small Gram-matrix layer's AdaQuant iterations that read no loss run as one C call (bias values, gradient,
-    the weight's and the bias's Adam steps), interleaved with the loop's own iterations (those that read the loss):
-    the same exported bytes and layer losses as the loop's four calls an iteration."""
+@pytest.mark.parametrize("algorithm,kw", [("adaquant", dict(update_bias=True, learning_rate=1e-4)),
+                                          ("adaquant", dict(update_bias=False, learning_rate=1e-4)),
+                                          ("adaround", dict(warm_start=0.2))])
+def test_fused_gram_iteration_gives_the_loops_bits(monkeypatch, algorithm, kw):
+    """A small Gram-matrix layer's iterations that read no loss run as one C call (AdaQuant: bias values, gradient,
+    the weight's and the bias's Adam steps; AdaRound: gradient, then alpha's gradient with the regulariser at the
+    iteration's beta and its Adam step), interleaved with the loop's own iterations (those that read the loss): the
+    same exported bytes and layer losses as the loop's calls."""
     import importlib
 
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    cls = ff._FusedGramIteration if algorithm == "adaquant" else ff._FusedGramAdaRound
     calls = []
-    orig_call = ff._FusedGramIteration.__call__
-    monkeypatch.setattr(ff._FusedGramIteration, "__call__", lambda self, idx: calls.append(1) or orig_call(self, idx))
+    orig_call = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, idx, beta=None: calls.append(beta) or orig_call(self, idx, beta))
 
     def run():
         qm = _prepared("A8W8")
-        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=25, batch_size=2, progress=False,
-                      update_bias=update_bias, learning_rate=1e-4, through_activation=False)
+        fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=25, batch_size=2, progress=False,
+                      through_activation=False, **kw)
         return qo.export(qm, None).SerializeToString(), [(r.loss_before, r.loss_after) for r in qm.finetune_report.layers]
 
     fused = run()
     assert len(calls) >= 20  # the iterations without a loss read (not every 10th, not the last) of its layers
-    monkeypatch.setattr(ff._FusedGramIteration, "of", staticmethod(lambda *a, **k: None))
+    if algorithm == "adaround":  # the warm start without the regulariser, then its annealed beta
+        assert None in calls and any(b is not None for b in calls)
+    for c in (ff._FusedGramIteration, ff._FusedGramAdaRound):
+        monkeypatch.setattr(c, "of", staticmethod(lambda *a, **k: None))
     assert run() == fused
 
 
@@ -733,7 +740,8 @@ def test_written_out_divergence_found_between_loss_reads(monkeypatch, algorithm)
     rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
     ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
     # the loop's own iterations (the fused small-layer ones: test_a_fused_iteration_that_diverges_is_caught)
-    monkeypatch.setattr(ff._FusedGramIteration, "of", staticmethod(lambda *a, **k: None))
+    for fused in (ff._FusedGramIteration, ff._FusedGramAdaRound):
+        monkeypatch.setattr(fused, "of", staticmethod(lambda *a, **k: None))
     calls = {"n": 0, "loss": 0}
     for cls in (rc.QuadraticLayerLoss, rc.DirectLayerLoss):
         def poisoned(self, idx, weight, factor=1.0, bias=None, want_loss=True, _orig=cls.gradient):
@@ -770,8 +778,8 @@ def test_a_fused_iteration_that_diverges_is_caught(monkeypatch):
     n = {"calls": 0}
     orig = ff._FusedGramIteration.__call__
 
-    def poisoned(self, idx):
-        orig(self, idx)
+    def poisoned(self, idx, beta=None):
+        orig(self, idx, beta)
         n["calls"] += 1
         if n["calls"] == 3:
             with torch.no_grad():
@@ -1247,10 +1255,10 @@ def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, s
 
     cls = getattr(importlib.import_module(f"qtorch_onnx.algorithms.{algorithm}"), step_name)
     calls = _count_set_grads(monkeypatch, cls)
-    fused = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")._FusedGramIteration
-    orig_fused = fused.__call__
-    monkeypatch.setattr(fused, "__call__",  # an iteration of a small Gram-matrix layer in one call: a step too
-                        lambda self, idx: calls.__setitem__("n", calls["n"] + 1) or orig_fused(self, idx))
+    ffm = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    for fused in (ffm._FusedGramIteration, ffm._FusedGramAdaRound):  # a small Gram-matrix layer's step in one call
+        monkeypatch.setattr(fused, "__call__", lambda self, idx, beta=None, _o=fused.__call__:
+                            calls.__setitem__("n", calls["n"] + 1) or _o(self, idx, beta))
     reps = {}
     modes = ["autograd", "torch"] + (["fused"] if cpu_steps.available() else [])
     for mode in modes:
