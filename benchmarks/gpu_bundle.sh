@@ -12,7 +12,7 @@
 #           (--quark-results: the device has no Quark), after a --quick warm-up run that compiles the Triton
 #           kernels; then the same rows with ours on the device's CPU (one thread); about 5 minutes.
 # Then, with the device tool: run `bash .gpu/run.sh` with carry [".gpu"], timeout_s about 590 (440 s on an H200 on
-# 2026-11-26 14:20; the Triton tests alone took over 230 s on that machine's 16-core Xeon host at 17:24), and, in a
+# 2026-11-26 14:20; 517 s at 17:48 on a 16-core Xeon host, where the Triton tests alone took 248 s), and, in a
 # second call if the budget allows, `bash .gpu/run_ft.sh` (timeout_s 360).
 set -euo pipefail
 cd "$(dirname "$0")/.."
