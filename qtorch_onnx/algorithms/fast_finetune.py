@@ -662,9 +662,9 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         for it in it_bar:
             want_loss = ((it + 1) % DIVERGENCE_CHECK == 0 or it + 1 == s.num_iterations or (s.early_stop and it >= warm)
                          or bool(s.log_period and (it + 1) % s.log_period == 0))
+            beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
             if fused is not None and not want_loss:  # no loss read, no divergence check
-                fused(rows[draw], beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range)
-                      if hooks and it >= warm else None)
+                fused(rows[draw], beta)
                 draw += 1
                 continue
             opt.zero_grad(set_to_none=True)
@@ -714,7 +714,6 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
             if (it + 1) % DIVERGENCE_CHECK == 0 and not _finite(nonfinite, params):
                 diverged = True  # within the last DIVERGENCE_CHECK steps: the layer is restored below
                 break
-            beta = beta_schedule(it, s.num_iterations, s.warm_start, s.beta_range) if hooks and it >= warm else None
             if steps is not None:
                 grads = [g_quad] if lossfn is not None else [[v.grad for v in vs] for vs in vals]
                 for (st, _), vs, gs in zip(steps, vals, grads):
@@ -773,7 +772,60 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     return rec
 
 
-class _FusedGramIteration:
+class _FusedGram:
+    """What a small Gram-matrix layer's fused iteration (:class:`_FusedGramIteration`, :class:`_FusedGramAdaRound`)
+    shares: when it applies, the Gram-matrix and weight-layout fields of its C arguments, and per iteration the
+    mini-batch's fields and an Adam step's moments."""
+
+    @staticmethod
+    def _step(quad, steps, opt, s: FastFinetuneSettings):
+        """The layer's one written-out step when a fused iteration can replace the loop's: a small Gram-matrix
+        layer (``quad._small``), one layer and one mini-batch per step, an optimizer with fused moments, the C
+        library present; else None."""
+        from . import cpu_steps
+
+        if quad is None or quad._small is None or steps is None or len(steps) != 1 or s.num_batches != 1 \
+                or not hasattr(opt, "fused_moments") or not cpu_steps.available():
+            return None
+        return steps[0][0]
+
+    def __init__(self, quad, step, opt, args_type) -> None:
+        """``args_type``: the C function's arguments (a ``ctypes.Structure`` of cpu_steps)."""
+        self.quad, self.step, self.opt = quad, step, opt
+        g, out, k = quad.groups, quad.out, quad.k
+        self.R = torch.empty(g, out // g, k, dtype=torch.float32)
+        self._ids = (ctypes.c_int64 * 64)()
+        a = self.args = args_type()
+        length = quad._flat.shape[1]
+        a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
+        a.w0 = quad.w0.data_ptr()
+        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
+        lay = step.layout
+        a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
+        a.scale = lay.scale.data_ptr()
+        a.zp = lay.zero_point.data_ptr() if lay.zero_point is not None else None
+        a.lo, a.hi = step.lo, step.hi
+
+    def _batch(self, idx: List[int]) -> None:
+        """The mini-batch ``idx`` (sample indices) and QuadraticLayerLoss.gradient's factors for it."""
+        n = len(idx)
+        if n > len(self._ids):
+            self._ids = (ctypes.c_int64 * n)()
+        for i, v in enumerate(idx):
+            self._ids[i] = v
+        a = self.args
+        a.nids, a.ids = n, ctypes.addressof(self._ids)
+        a.nl, a.f2 = float(n * self.quad.length), 2.0 * 1.0 / (n * self.quad.denominator)
+
+    def _moments(self, p: torch.Tensor) -> None:
+        """This step's Adam moments and bias corrections for the trained tensor ``p`` (the optimizer's count
+        advanced, as the loop's fused step does) into the weight's fields."""
+        mo, a = self.opt.fused_moments(p), self.args
+        a.m, a.v, a.b1, a.b2, a.eps = mo.exp_avg.data_ptr(), mo.exp_avg_sq.data_ptr(), mo.beta1, mo.beta2, mo.eps
+        a.lr_c1, a.inv_c2 = mo.lr_c1, mo.inv_c2
+
+
+class _FusedGramIteration(_FusedGram):
     """A small Gram-matrix layer's AdaQuant iteration without its loss in one C call
     (:func:`~qtorch_onnx.algorithms.cpu_steps.gram_adaquant_iteration`): what the loop otherwise does in four
     (:meth:`AdaQuantStep.values`' bias values, :meth:`QuadraticLayerLoss.gradient`'s one-call gradient,
@@ -784,14 +836,8 @@ class _FusedGramIteration:
     @staticmethod
     def of(quad, steps, opt, s: FastFinetuneSettings) -> Optional["_FusedGramIteration"]:
         """The iteration for a layer whose loss is ``quad`` and whose step is ``steps[0]``, or None where it does
-        not apply: not AdaQuant's fused CPU step on a small Gram-matrix layer (``quad._small``), several layers or
-        mini-batches per step, an optimizer without fused moments, a bias that is not the fused one."""
-        from . import cpu_steps
-
-        if quad is None or quad._small is None or steps is None or len(steps) != 1 or s.num_batches != 1 \
-                or not hasattr(opt, "fused_moments") or not cpu_steps.available():
-            return None
-        step = steps[0][0]
+        not apply (:meth:`_FusedGram._step`; not AdaQuant's fused CPU step, a bias that is not the fused one)."""
+        step = _FusedGram._step(quad, steps, opt, s)
         if type(step) is not AdaQuantStep or step.layout is None or (step.bias is not None) != quad.train_bias \
                 or (step.bias is not None and not step.bias_fused):
             return None
@@ -800,26 +846,16 @@ class _FusedGramIteration:
     def __init__(self, quad, step: AdaQuantStep, opt) -> None:
         from . import cpu_steps
 
-        self.quad, self.step, self.opt = quad, step, opt
+        super().__init__(quad, step, opt, cpu_steps.GramAdaQuantArgs)
         w = step.weight.detach()
-        g, out, k = quad.groups, quad.out, quad.k
-        self.R = torch.empty(g, out // g, k, dtype=torch.float32)
         self.pairs = [(torch.empty_like(w), torch.empty_like(w)) for _ in range(2)]  # next (values, saturation mask)
-        self._ids = (ctypes.c_int64 * 64)()
-        a = self.args = cpu_steps.GramAdaQuantArgs()
-        length = quad._flat.shape[1]
-        a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
-        a.w0, a.b0 = quad.w0.data_ptr(), (quad.b0.data_ptr() if quad.b0 is not None else None)
-        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
-        lay = step.layout
-        a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
-        a.w, a.scale = w.data_ptr(), lay.scale.data_ptr()
-        a.zp = lay.zero_point.data_ptr() if lay.zero_point is not None else None
-        a.lo, a.hi = step.lo, step.hi
+        a = self.args
+        a.b0 = quad.b0.data_ptr() if quad.b0 is not None else None
+        a.w = w.data_ptr()
         self.gb = None
         if step.bias is not None:
             b = step.bias.detach()
-            self.gb, self.bq, self.keep = (torch.empty(out, dtype=torch.float32), torch.empty_like(b),
+            self.gb, self.bq, self.keep = (torch.empty(quad.out, dtype=torch.float32), torch.empty_like(b),
                                            torch.empty_like(b))
             # bias_values' scales, kept alive here
             self.s64 = step.bias_scale64.reshape(-1).contiguous()
@@ -833,22 +869,14 @@ class _FusedGramIteration:
         """One iteration on the mini-batch ``idx`` (a list of sample indices); ``beta``: unused (AdaRound's)."""
         from . import cpu_steps
 
-        step, quad, a = self.step, self.quad, self.args
+        step, a = self.step, self.args
         nxt, step._next = step._next, None
         wq, outside = nxt if nxt is not None else \
             cpu_steps.adaquant_values(step.layout, step.weight.detach(), step.lo, step.hi)
         dst = self.pairs[1] if self.pairs[0][0].data_ptr() == wq.data_ptr() else self.pairs[0]
-        n = len(idx)
-        if n > len(self._ids):
-            self._ids = (ctypes.c_int64 * n)()
-        for i, v in enumerate(idx):
-            self._ids[i] = v
-        a.nids, a.ids = n, ctypes.addressof(self._ids)
-        a.nl, a.f2 = float(n * quad.length), 2.0 * 1.0 / (n * quad.denominator)  # QuadraticLayerLoss.gradient's
+        self._batch(idx)
         a.wq, a.outside, a.next, a.next_outside = wq.data_ptr(), outside.data_ptr(), dst[0].data_ptr(), dst[1].data_ptr()
-        mw = self.opt.fused_moments(step.weight)
-        a.m, a.v, a.b1, a.b2, a.eps = mw.exp_avg.data_ptr(), mw.exp_avg_sq.data_ptr(), mw.beta1, mw.beta2, mw.eps
-        a.lr_c1, a.inv_c2 = mw.lr_c1, mw.inv_c2
+        self._moments(step.weight)
         if step.bias is not None:
             mb = self.opt.fused_moments(step.bias)
             a.mb, a.vb, a.lr_c1b, a.inv_c2b = mb.exp_avg.data_ptr(), mb.exp_avg_sq.data_ptr(), mb.lr_c1, mb.inv_c2
@@ -856,7 +884,7 @@ class _FusedGramIteration:
         step._next, step._saved = dst, None
 
 
-class _FusedGramAdaRound:
+class _FusedGramAdaRound(_FusedGram):
     """:class:`_FusedGramIteration` for AdaRound: a small Gram-matrix layer's iteration without its loss in one C call
     (:func:`~qtorch_onnx.algorithms.cpu_steps.gram_adaround_iteration`), what the loop does in two
     (:meth:`QuadraticLayerLoss.gradient`'s one-call gradient at the soft-quantized weight, :meth:`AdaRoundStep.set_grads`'
@@ -866,58 +894,34 @@ class _FusedGramAdaRound:
     @staticmethod
     def of(quad, steps, opt, s: FastFinetuneSettings) -> Optional["_FusedGramAdaRound"]:
         """As :meth:`_FusedGramIteration.of`, for AdaRound's fused CPU step (no trained bias)."""
-        from . import cpu_steps
-
-        if quad is None or quad._small is None or quad.train_bias or steps is None or len(steps) != 1 \
-                or s.num_batches != 1 or not hasattr(opt, "fused_moments") or not cpu_steps.available():
-            return None
-        step = steps[0][0]
-        if type(step) is not AdaRoundStep or step.layout is None:
+        step = _FusedGram._step(quad, steps, opt, s)
+        if type(step) is not AdaRoundStep or step.layout is None or quad.train_bias:
             return None
         return _FusedGramAdaRound(quad, step, opt, s.reg_param)
 
     def __init__(self, quad, step: AdaRoundStep, opt, reg_param: float) -> None:
         from . import cpu_steps
 
-        self.quad, self.step, self.opt, self.reg_param = quad, step, opt, float(reg_param)
+        super().__init__(quad, step, opt, cpu_steps.GramAdaRoundArgs)
+        self.reg_param = float(reg_param)
         alpha = step.alpha.detach()
-        g, out, k = quad.groups, quad.out, quad.k
-        self.R = torch.empty(g, out // g, k, dtype=torch.float32)
         self.nexts = [torch.empty_like(alpha) for _ in range(2)]
-        self._ids = (ctypes.c_int64 * 64)()
-        a = self.args = cpu_steps.GramAdaRoundArgs()
-        length = quad._flat.shape[1]
-        a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
-        a.w0 = quad.w0.data_ptr()
-        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
-        lay = step.layout
-        a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
-        a.alpha, a.floor, a.scale = alpha.data_ptr(), step.floor.data_ptr(), lay.scale.data_ptr()
-        a.zp = lay.zero_point.data_ptr() if lay.zero_point is not None else None
-        a.lo, a.hi = step.lo, step.hi
+        self.args.alpha, self.args.floor = alpha.data_ptr(), step.floor.data_ptr()
 
     def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
         """One iteration on the mini-batch ``idx`` (a list of sample indices), the regulariser at ``beta`` (None:
         the warm start, no regulariser)."""
         from . import cpu_steps
 
-        step, quad, a = self.step, self.quad, self.args
+        step, a = self.step, self.args
         wq, step._next = step._next, None
         if wq is None:
             wq = cpu_steps.adaround_values(step.layout, step.alpha.detach(), step.floor, step.lo, step.hi)
         dst = self.nexts[1] if self.nexts[0].data_ptr() == wq.data_ptr() else self.nexts[0]
-        n = len(idx)
-        if n > len(self._ids):
-            self._ids = (ctypes.c_int64 * n)()
-        for i, v in enumerate(idx):
-            self._ids[i] = v
-        a.nids, a.ids = n, ctypes.addressof(self._ids)
-        a.nl, a.f2 = float(n * quad.length), 2.0 * 1.0 / (n * quad.denominator)  # QuadraticLayerLoss.gradient's
+        self._batch(idx)
         a.wq, a.next = wq.data_ptr(), dst.data_ptr()
         a.beta, a.reg = float(beta or 0.0), (self.reg_param if beta is not None else 0.0)  # adaround_grad's
-        mo = self.opt.fused_moments(step.alpha)
-        a.m, a.v, a.b1, a.b2, a.eps = mo.exp_avg.data_ptr(), mo.exp_avg_sq.data_ptr(), mo.beta1, mo.beta2, mo.eps
-        a.lr_c1, a.inv_c2 = mo.lr_c1, mo.inv_c2
+        self._moments(step.alpha)
         cpu_steps.gram_adaround_iteration(a)
         step._next, step._saved = dst, None
 

@@ -239,26 +239,32 @@ def _pointwise_forward(x: torch.Tensor, rows, weight: torch.Tensor, bias: Option
     return out.view(len(rows), o, h, w)
 
 
-@torch.no_grad()
-def _elementwise_into(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
-    """``module(x)`` written into ``x`` itself, for the elementwise modules where that gives the module's own bits:
-    an ONNX Clip with bounds baked in (``torch.clamp`` with its ``out``) and an activation quantizer whose forward
-    is the one-pass CPU kernel (:meth:`FakeQuantize.quantize_into`); else None (the module runs). ``x`` must be the
-    caller's to overwrite."""
+def _may_compute_into(module: nn.Module) -> bool:
+    """Whether ``module`` is of a kind :func:`_elementwise_into` may compute into its input: a FakeQuantize, or an
+    ONNX Clip with its bounds baked in."""
     from ..fakequant import FakeQuantize
     from ..lift.ops_math import OnnxClip
 
+    return isinstance(module, FakeQuantize) or (type(module) is OnnxClip and module.baked)
+
+
+@torch.no_grad()
+def _elementwise_into(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
+    """``module(x)`` written into ``x`` itself, for the elementwise modules where that gives the module's own bits
+    (:func:`_may_compute_into`): an ONNX Clip with bounds baked in (``torch.clamp`` with its ``out``) and an
+    activation quantizer whose forward is the one-pass CPU kernel (:meth:`FakeQuantize.quantize_into`); else None
+    (the module runs). ``x`` must be the caller's to overwrite."""
+    from ..fakequant import FakeQuantize
+
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous() or x.requires_grad \
-            or module._forward_hooks or module._forward_pre_hooks:  # hooks see the module run
-        return None
+            or module._forward_hooks or module._forward_pre_hooks or not _may_compute_into(module):
+        return None  # (hooks see the module run)
     if isinstance(module, FakeQuantize):
         return x if module.quantize_into(x) else None
-    if type(module) is OnnxClip and module.baked:  # OnnxClip.forward's float branch, into x
-        fi = torch.finfo(x.dtype)
-        lo = fi.min if module.lo is None else module.lo
-        hi = fi.max if module.hi is None else module.hi
-        return torch.clamp(x, lo, hi, out=x)
-    return None
+    fi = torch.finfo(x.dtype)  # a baked OnnxClip: OnnxClip.forward's float branch, into x
+    lo = fi.min if module.lo is None else module.lo
+    hi = fi.max if module.hi is None else module.hi
+    return torch.clamp(x, lo, hi, out=x)
 
 
 @torch.no_grad()
@@ -470,12 +476,8 @@ class StagedExecutor:
         if self.spill.level > 1 or self.device.type != "cpu" or a.op == "placeholder" or self.const.get(a.name, True) \
                 or self.last_use.get(a.name, -1) != self.pos or self.q_nodes[self.pos] is not node:
             return False
-        if node.name not in self._elementwise:  # _elementwise_into's kinds of module, looked up once per node
-            from ..fakequant import FakeQuantize
-            from ..lift.ops_math import OnnxClip
-
-            m = self.q_gm.get_submodule(str(node.target))
-            self._elementwise[node.name] = isinstance(m, FakeQuantize) or (type(m) is OnnxClip and m.baked)
+        if node.name not in self._elementwise:  # looked up once per node
+            self._elementwise[node.name] = _may_compute_into(self.q_gm.get_submodule(str(node.target)))
         if not self._elementwise[node.name]:
             return False
         mine = self.q_env.get(a.name)
