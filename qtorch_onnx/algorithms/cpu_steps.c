@@ -506,41 +506,44 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
         int64_t n = q / nb, c0 = (q % nb) * GB, cn = nc - c0 < GB ? nc - c0 : GB;
         /* interleave the block's planes (and residuals): x[pos GB + t] = xp[n, c0 + t, pos] */
         interleave(x, xp + (n * nc + c0) * plane, plane, plane, cn);
-        for (int64_t dy = 0; dy < kh; dy++)
-            for (int64_t dx = -(kw - 1); dx < kw; dx++) {
-                if (dy == 0 && dx < 0)
-                    continue; /* the transpose of dx > 0 */
-                int64_t j0 = (dx < 0 ? -dx : 0) * GB, j1 = (dx > 0 ? wp - dx : wp) * GB;
-                for (int64_t a = 0; a + dy < kh; a++) {
-                    double *col = cols + (a % sh) * (wp + 1) * GB;
-                    if (a < sh) { /* a fresh window */
-                        for (int64_t j = 0; j < row; j++)
-                            col[j] = 0.0;
-                        for (int64_t y = 0; y < ho; y++)
-                            blk_madd(col, x + (a + sh * y) * row, x + (a + sh * y + dy) * row + dx * GB, j0, j1, 1.0);
-                    } else { /* the window at a - sh, moved down one stride */
-                        int64_t add = a - sh + sh * ho, drop = a - sh;
-                        blk_madd(col, x + add * row, x + (add + dy) * row + dx * GB, j0, j1, 1.0);
-                        blk_madd(col, x + drop * row, x + (drop + dy) * row + dx * GB, j0, j1, -1.0);
-                    }
-                    blk_prefix(pre, col, wp, sw);
-                    for (int64_t b = 0; b < kw; b++) {
-                        if (b + dx < 0 || b + dx >= kw)
-                            continue;
-                        int64_t i = a * kw + b, jj = (a + dy) * kw + b + dx;
-                        for (int64_t t = 0; t < GB; t++)
-                            hh[(i * k + jj) * GB + t] = (float)(pre[(b + sw * wo) * GB + t] - pre[b * GB + t]);
+        if (h != NULL) { /* H (NULL: not computed, fast finetune's lazily filled Gram matrices) */
+            for (int64_t dy = 0; dy < kh; dy++)
+                for (int64_t dx = -(kw - 1); dx < kw; dx++) {
+                    if (dy == 0 && dx < 0)
+                        continue; /* the transpose of dx > 0 */
+                    int64_t j0 = (dx < 0 ? -dx : 0) * GB, j1 = (dx > 0 ? wp - dx : wp) * GB;
+                    for (int64_t a = 0; a + dy < kh; a++) {
+                        double *col = cols + (a % sh) * (wp + 1) * GB;
+                        if (a < sh) { /* a fresh window */
+                            for (int64_t j = 0; j < row; j++)
+                                col[j] = 0.0;
+                            for (int64_t y = 0; y < ho; y++)
+                                blk_madd(col, x + (a + sh * y) * row, x + (a + sh * y + dy) * row + dx * GB, j0, j1,
+                                         1.0);
+                        } else { /* the window at a - sh, moved down one stride */
+                            int64_t add = a - sh + sh * ho, drop = a - sh;
+                            blk_madd(col, x + add * row, x + (add + dy) * row + dx * GB, j0, j1, 1.0);
+                            blk_madd(col, x + drop * row, x + (drop + dy) * row + dx * GB, j0, j1, -1.0);
+                        }
+                        blk_prefix(pre, col, wp, sw);
+                        for (int64_t b = 0; b < kw; b++) {
+                            if (b + dx < 0 || b + dx >= kw)
+                                continue;
+                            int64_t i = a * kw + b, jj = (a + dy) * kw + b + dx;
+                            for (int64_t t = 0; t < GB; t++)
+                                hh[(i * k + jj) * GB + t] = (float)(pre[(b + sw * wo) * GB + t] - pre[b * GB + t]);
+                        }
                     }
                 }
+            for (int64_t t = 0; t < cn; t++) { /* h[n, c0 + t, i, j] = h[.., j, i] from the pairs i <= j */
+                float *out = h + (n * nc + c0 + t) * k * k;
+                for (int64_t i = 0; i < k; i++)
+                    for (int64_t jj = i; jj < k; jj++) {
+                        float v = hh[(i * k + jj) * GB + t];
+                        out[i * k + jj] = v;
+                        out[jj * k + i] = v;
+                    }
             }
-        for (int64_t t = 0; t < cn; t++) { /* h[n, c0 + t, i, j] = h[.., j, i] from the pairs i <= j */
-            float *out = h + (n * nc + c0 + t) * k * k;
-            for (int64_t i = 0; i < k; i++)
-                for (int64_t jj = i; jj < k; jj++) {
-                    float v = hh[(i * k + jj) * GB + t];
-                    out[i * k + jj] = v;
-                    out[jj * k + i] = v;
-                }
         }
         if (s != NULL)
             for (int64_t a = 0; a < kh; a++) {
@@ -662,62 +665,117 @@ void qt_act_sse(int64_t b0, int64_t b1, int64_t len, const float *pre, const flo
 }
 
 /* ------------------------------------------------------------------------------ small Gram-matrix layers */
-/* QuadraticLayerLoss.gradient without its loss, in one call for small layers (a few torch operations' dispatch
- * outweighs their products there). The rows ids[0..nids) of flat (each len floats: H [g k k], G [g o k], then with
- * the bias S [g k] and Y [g o]) are summed in order into acc; dw = w - w0 ([g o k]); per group
+/* QuadraticLayerLoss.gradient in one call for small layers (a few torch operations' dispatch outweighs their
+ * products there) and for AdaQuant's integer weights (dw sparse: the weight moves on its grid, and dw is zero where
+ * the rounding has not flipped). The rows ids[0..nids) of flat (each len floats: H [g k k], G [g o k], then with the
+ * bias S [g k] and Y [g o]) are summed in order into acc; dw = w - w0 ([g o k]); per group
  *   R = (dw H - G) f2                                       ([o k], f2 = 2 f)
  * and with the bias (b, b0 not NULL; db = b - b0):
  *   R += db s^T f2;   gb = (dw . s + nl db - Y) f2           ([g o])
- * The products accumulate along rows of H (vectorized along k). */
-void qt_gram_gradient(int64_t nids, const int64_t *ids, const float *flat, int64_t len, int64_t g, int64_t o,
-                      int64_t k, const float *w, const float *w0, const float *b, const float *b0, float nl, float f2,
-                      float *acc, float *dw, float *R, float *gb) {
-    const float *r0 = flat + ids[0] * len;
-    if (nids == 1)
-        for (int64_t q = 0; q < len; q++)
-            acc[q] = r0[q];
-    else {
-        const float *r1 = flat + ids[1] * len;
-        for (int64_t q = 0; q < len; q++)
-            acc[q] = r0[q] + r1[q];
-        for (int64_t i = 2; i < nids; i++) {
-            const float *ri = flat + ids[i] * len;
-            for (int64_t q = 0; q < len; q++)
-                acc[q] += ri[q];
-        }
-    }
-    int64_t n = g * o * k;
+ * The products accumulate along rows of H (vectorized along k), in the order of k, skipping the rows a zero of dw
+ * multiplies: the same bits as every row added while H is finite (a zero times a finite value adds +-0, and a sum
+ * that starts at +0 is never -0; the caller keeps non-finite Gram matrices off this path). Only the rows of H
+ * some nonzero of dw multiplies are summed (cols: scratch for k + 1 int32 per group). sse (not NULL): the
+ * mini-batch's loss without its constant, dw^T H dw - 2 dw.G + 2 db dw.s + nl db^2 - 2 db Y (unscaled), in float64.
+ * filled (not NULL: H computed lazily, QuadraticLayerLoss's sparse depthwise layers): 1 per row of H ([g k]) that
+ * holds its values; returns 1, with R, gb and sse unwritten, when a nonzero of dw needs a row that does not (the
+ * caller fills it and calls again), else 0. */
+int qt_gram_gradient(int64_t nids, const int64_t *ids, const float *flat, int64_t len, int64_t g, int64_t o,
+                     int64_t k, const float *w, const float *w0, const float *b, const float *b0, float nl, float f2,
+                     float *acc, float *dw, float *R, float *gb, int32_t *cols, const uint8_t *filled, double *sse) {
+    int64_t n = g * o * k, hl = g * k * k;
     for (int64_t q = 0; q < n; q++)
         dw[q] = w[q] - w0[q];
-    const float *H = acc, *G = acc + g * k * k, *S = G + g * o * k, *Y = S + g * k;
-    for (int64_t gi = 0; gi < g; gi++)
+    /* the rows of acc summed: H's rows a nonzero of dw multiplies, then G, S, Y whole */
+    const float *r0 = flat + ids[0] * len, *r1 = nids > 1 ? flat + ids[1] * len : NULL;
+    int32_t *ncols = cols + g * k; /* per group: how many of its columns are used */
+    for (int64_t gi = 0; gi < g; gi++) {
+        int32_t *c = cols + gi * k, nc = 0;
+        for (int64_t kk = 0; kk < k; kk++) /* the group's columns a nonzero uses, row by row (in cache) */
+            c[kk] = 0;
+        for (int64_t oi = 0; oi < o; oi++) {
+            const float *d = dw + (gi * o + oi) * k;
+            for (int64_t kk = 0; kk < k; kk++)
+                c[kk] |= d[kk] != 0.0f;
+        }
+        for (int64_t kk = 0; kk < k; kk++)
+            if (c[kk]) {
+                if (filled != NULL && !filled[gi * k + kk])
+                    return 1; /* a row of H not computed yet: nothing written but scratch */
+                c[nc++] = (int32_t)kk; /* (nc <= kk: the flags not read yet stay in place) */
+            }
+        ncols[gi] = nc;
+        for (int32_t t = 0; t < nc; t++) {
+            int64_t at = (gi * k + c[t]) * k;
+            if (r1 == NULL)
+                for (int64_t j = 0; j < k; j++)
+                    acc[at + j] = r0[at + j];
+            else
+                for (int64_t j = 0; j < k; j++)
+                    acc[at + j] = r0[at + j] + r1[at + j];
+            for (int64_t i = 2; i < nids; i++) {
+                const float *ri = flat + ids[i] * len + at;
+                for (int64_t j = 0; j < k; j++)
+                    acc[at + j] += ri[j];
+            }
+        }
+    }
+    if (r1 == NULL)
+        for (int64_t q = hl; q < len; q++)
+            acc[q] = r0[q];
+    else
+        for (int64_t q = hl; q < len; q++)
+            acc[q] = r0[q] + r1[q];
+    for (int64_t i = 2; i < nids; i++) {
+        const float *ri = flat + ids[i] * len;
+        for (int64_t q = hl; q < len; q++)
+            acc[q] += ri[q];
+    }
+    const float *H = acc, *G = acc + hl, *S = G + g * o * k, *Y = S + g * k;
+    double total = 0.0;
+    for (int64_t gi = 0; gi < g; gi++) {
+        const int32_t *c = cols + gi * k;
+        int32_t nc = ncols[gi];
         for (int64_t oi = 0; oi < o; oi++) {
             float *r = R + (gi * o + oi) * k;
             const float *d = dw + (gi * o + oi) * k, *gr = G + (gi * o + oi) * k;
             for (int64_t j = 0; j < k; j++)
                 r[j] = 0.0f;
-            for (int64_t kk = 0; kk < k; kk++) {
-                float a = d[kk];
-                const float *h = H + (gi * k + kk) * k;
+            for (int32_t t = 0; t < nc; t++) {
+                float a = d[c[t]];
+                if (a == 0.0f)
+                    continue;
+                const float *h = H + (gi * k + c[t]) * k;
                 for (int64_t j = 0; j < k; j++)
                     r[j] += a * h[j];
             }
             for (int64_t j = 0; j < k; j++)
                 r[j] -= gr[j];
+            if (sse != NULL)
+                for (int32_t t = 0; t < nc; t++) { /* dw.(dw H - G) - dw.G: the nonzeros of dw */
+                    double a = d[c[t]];
+                    total += a * ((double)r[c[t]] - (double)gr[c[t]]);
+                }
             if (b != NULL) {
-                int64_t c = gi * o + oi;
-                float db = b[c] - b0[c];
+                int64_t ci = gi * o + oi;
+                float db = b[ci] - b0[ci];
                 const float *sv = S + gi * k;
                 float ws = 0.0f;
                 for (int64_t j = 0; j < k; j++) {
                     ws += d[j] * sv[j];
                     r[j] += db * sv[j];
                 }
-                gb[c] = (ws + nl * db - Y[c]) * f2;
+                gb[ci] = (ws + nl * db - Y[ci]) * f2;
+                if (sse != NULL)
+                    total += (double)db * (2.0 * (double)ws + (double)nl * (double)db - 2.0 * (double)Y[ci]);
             }
             for (int64_t j = 0; j < k; j++)
                 r[j] *= f2;
         }
+    }
+    if (sse != NULL)
+        *sse = total;
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------------- AdaQuant's INT32 bias */
@@ -1217,7 +1275,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
  * (qt_gram_gradient), AdaQuant's straight-through step with Adam on the weight and the weight's next values
  * (qt_adaquant_adam), then Adam's step on the bias (qt_masked_adam): the four calls the Python loop makes, in its
  * order and with its arguments, so its bits, without four trips through ctypes and their Python (about 30 us of
- * the 70 an iteration of such a layer took). b NULL: no trained bias (its two calls skipped). */
+ * the 70 an iteration of such a layer took). b NULL: no trained bias (its two calls skipped). Returns 1, having
+ * changed nothing the caller keeps, when qt_gram_gradient asks for a row of H first (filled); else 0. */
 typedef struct {
     int64_t nids;
     const int64_t *ids;
@@ -1226,6 +1285,8 @@ typedef struct {
     const float *wq, *w0, *b0;
     float nl, f2;
     float *acc, *dw, *R, *gb;
+    int32_t *cols;
+    const uint8_t *filled;
     int64_t rows, channels, inner;
     float *w;
     const float *outside;
@@ -1244,15 +1305,18 @@ typedef struct {
     float lr_c1b, inv_c2b;
 } gram_adaquant_args;
 
-void qt_gram_adaquant_iteration(const gram_adaquant_args *a) {
+int qt_gram_adaquant_iteration(const gram_adaquant_args *a) {
     if (a->b != NULL)
         qt_bias_values(a->nb, a->b, a->s64, a->s32, a->s_step, a->blo, a->bhi, a->bq, a->keep);
-    qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0, a->b != NULL ? a->bq : NULL,
-                     a->b0, a->nl, a->f2, a->acc, a->dw, a->R, a->gb);
+    if (qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0,
+                         a->b != NULL ? a->bq : NULL, a->b0, a->nl, a->f2, a->acc, a->dw, a->R, a->gb, a->cols,
+                         a->filled, NULL))
+        return 1; /* a row of H to fill first (qt_gram_gradient): the weight, bias and moments untouched */
     qt_adaquant_adam(0, a->rows, a->channels, a->inner, a->w, a->R, a->outside, a->m, a->v, a->b1, a->b2, a->eps,
                      a->lr_c1, a->inv_c2, a->scale, a->zp, a->lo, a->hi, a->next, a->next_outside);
     if (a->b != NULL)
         qt_masked_adam(a->nb, a->b, a->gb, a->keep, a->mb, a->vb, a->b1, a->b2, a->eps, a->lr_c1b, a->inv_c2b);
+    return 0;
 }
 
 /* The same for AdaRound: the mini-batch's gradient from the Gram matrices at the soft-quantized weight wq
@@ -1267,6 +1331,7 @@ typedef struct {
     const float *wq, *w0;
     float nl, f2;
     float *acc, *dw, *R;
+    int32_t *cols;
     int64_t rows, channels, inner;
     float *alpha;
     const float *floor, *scale, *zp;
@@ -1278,10 +1343,10 @@ typedef struct {
 
 void qt_gram_adaround_iteration(const gram_adaround_args *a) {
     qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0, NULL, NULL, a->nl, a->f2,
-                     a->acc, a->dw, a->R, NULL);
+                     a->acc, a->dw, a->R, NULL, a->cols, NULL, NULL);
     qt_adaround_grad(0, a->rows, a->channels, a->inner, a->alpha, a->floor, a->scale, a->zp, a->lo, a->hi, a->R,
                      a->beta, a->reg, NULL, a->m, a->v, a->b1, a->b2, a->eps, a->lr_c1, a->inv_c2, a->next);
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 13; }
+int qt_cpu_steps_version(void) { return 14; }

@@ -35,12 +35,13 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "AdamMoments", "ENV_SWITCH",
+           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size",
+           "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 13
+_VERSION = 14
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -63,7 +64,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_act_sse.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr]
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
-    lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 4
+    lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 7
+    lib.qt_gram_gradient.restype = ctypes.c_int
     lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
     lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
@@ -73,13 +75,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         [f32] * 5 + [ptr] * 8
     lib.qt_depthwise_direct_blocked.restype = None
     lib.qt_gram_adaquant_iteration.argtypes = [ctypes.POINTER(GramAdaQuantArgs)]
-    lib.qt_gram_adaquant_iteration.restype = None
+    lib.qt_gram_adaquant_iteration.restype = ctypes.c_int
     lib.qt_gram_adaround_iteration.argtypes = [ctypes.POINTER(GramAdaRoundArgs)]
     lib.qt_gram_adaround_iteration.restype = None
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_gram_gradient, lib.qt_depthwise_direct):
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct):
         f.restype = None
 
 
@@ -146,7 +148,7 @@ class GramAdaQuantArgs(ctypes.Structure):
     _i, _p, _f, _d = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
     _fields_ = [("nids", _i), ("ids", _p), ("flat", _p), ("len", _i), ("g", _i), ("o", _i), ("k", _i),
                 ("wq", _p), ("w0", _p), ("b0", _p), ("nl", _f), ("f2", _f),
-                ("acc", _p), ("dw", _p), ("R", _p), ("gb", _p),
+                ("acc", _p), ("dw", _p), ("R", _p), ("gb", _p), ("cols", _p), ("filled", _p),
                 ("rows", _i), ("channels", _i), ("inner", _i), ("w", _p), ("outside", _p), ("m", _p), ("v", _p),
                 ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("scale", _p), ("zp", _p),
                 ("lo", _f), ("hi", _f), ("next", _p), ("next_outside", _p),
@@ -154,9 +156,11 @@ class GramAdaQuantArgs(ctypes.Structure):
                 ("bq", _p), ("keep", _p), ("mb", _p), ("vb", _p), ("lr_c1b", _f), ("inv_c2b", _f)]
 
 
-def gram_adaquant_iteration(args: GramAdaQuantArgs) -> None:
-    """Run ``qt_gram_adaquant_iteration`` on ``args`` (:class:`GramAdaQuantArgs`, filled by the caller)."""
-    library().qt_gram_adaquant_iteration(ctypes.byref(args))
+def gram_adaquant_iteration(args: GramAdaQuantArgs) -> bool:
+    """Run ``qt_gram_adaquant_iteration`` on ``args`` (:class:`GramAdaQuantArgs`, filled by the caller): True when
+    done; False when a row of a lazily computed Gram matrix must be filled first (``args.filled``), nothing the
+    caller keeps changed (fill it, then call again)."""
+    return library().qt_gram_adaquant_iteration(ctypes.byref(args)) == 0
 
 
 class GramAdaRoundArgs(ctypes.Structure):
@@ -166,7 +170,7 @@ class GramAdaRoundArgs(ctypes.Structure):
 
     _i, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     _fields_ = [("nids", _i), ("ids", _p), ("flat", _p), ("len", _i), ("g", _i), ("o", _i), ("k", _i),
-                ("wq", _p), ("w0", _p), ("nl", _f), ("f2", _f), ("acc", _p), ("dw", _p), ("R", _p),
+                ("wq", _p), ("w0", _p), ("nl", _f), ("f2", _f), ("acc", _p), ("dw", _p), ("R", _p), ("cols", _p),
                 ("rows", _i), ("channels", _i), ("inner", _i), ("alpha", _p), ("floor", _p), ("scale", _p),
                 ("zp", _p), ("lo", _f), ("hi", _f), ("beta", _f), ("reg", _f), ("m", _p), ("v", _p),
                 ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("next", _p)]
@@ -262,25 +266,40 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
     return nxt if next_range is not None else None
 
 
+def gram_scratch_size(length: int, groups: int, out: int, k: int) -> int:
+    """The float32 elements of :func:`gram_gradient`'s ``scratch`` (and the fused iterations'): the summed rows
+    (``length``), ``dw`` (``out k``), then the used columns of H per group as int32 (``groups (k + 1)``)."""
+    return length + out * k + groups * (k + 1)
+
+
 def gram_gradient(flat: torch.Tensor, ids, groups: int, out: int, k: int, weight: torch.Tensor, w0: torch.Tensor,
                   bias: Optional[torch.Tensor], b0: Optional[torch.Tensor], nl: float, f2: float,
-                  scratch: torch.Tensor):
-    """``(R, gb)``: a small Gram-matrix layer's scaled weight and bias gradients for the mini-batch ``ids`` (a list
+                  scratch: torch.Tensor, want_loss: bool = False, filled: Optional[torch.Tensor] = None):
+    """``(R, gb, sse)``: a Gram-matrix layer's scaled weight and bias gradients for the mini-batch ``ids`` (a list
     of ints) in one call (``qt_gram_gradient``; :class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`
     documents the algebra): ``R = ((w - w0) H - G) f2`` (+ ``db s^T f2``), ``gb = (dw.s + nl db - Y) f2`` (None
-    without the bias). ``flat``: the per-sample rows ``[N, len]`` (H, G, then S, Y), contiguous float32 CPU;
-    ``weight`` / ``w0``: contiguous float32 ``[groups, out / groups, k]`` elements; ``bias`` / ``b0``: ``[out]``
-    or None; ``scratch``: float32, at least ``len + out k`` elements."""
+    without the bias), ``sse`` the mini-batch's unscaled loss without its constant
+    (``dw^T H dw - 2 dw.G + 2 db dw.s + nl db^2 - 2 db Y``, a float64 sum, as a Python float; None without
+    ``want_loss``). The products skip the zeros of ``dw`` (AdaQuant's integer weight: zero where the rounding has
+    not flipped) with the bits of the dense sum: ``flat`` must be finite. ``flat``: the per-sample rows
+    ``[N, len]`` (H, G, then S, Y), contiguous float32 CPU; ``weight`` / ``w0``: contiguous float32
+    ``[groups, out / groups, k]`` elements; ``bias`` / ``b0``: ``[out]`` or None; ``scratch``: float32, at least
+    :func:`gram_scratch_size` elements. ``filled``: for a lazily computed H, uint8 ``[groups, k]``, 1 where the row
+    holds its values; returns None when a nonzero of ``dw`` needs a row that does not (fill it, call again)."""
     n = len(ids)
     arr = (ctypes.c_int64 * n)(*ids)
     o = out // groups
     r = torch.empty(groups, o, k, dtype=torch.float32)
     gb = torch.empty(out, dtype=torch.float32) if bias is not None else None
     length = flat.shape[1]
-    library().qt_gram_gradient(n, ctypes.addressof(arr), flat.data_ptr(), length, groups, o, k, weight.data_ptr(),
-                               w0.data_ptr(), _ptr(bias), _ptr(b0), float(nl), float(f2), scratch.data_ptr(),
-                               scratch.data_ptr() + 4 * length, r.data_ptr(), _ptr(gb))
-    return r, gb
+    sse = ctypes.c_double(0.0)
+    if library().qt_gram_gradient(n, ctypes.addressof(arr), flat.data_ptr(), length, groups, o, k, weight.data_ptr(),
+                                  w0.data_ptr(), _ptr(bias), _ptr(b0), float(nl), float(f2), scratch.data_ptr(),
+                                  scratch.data_ptr() + 4 * length, r.data_ptr(), _ptr(gb),
+                                  scratch.data_ptr() + 4 * (length + out * k), _ptr(filled),
+                                  ctypes.byref(sse) if want_loss else None):
+        return None
+    return r, gb, (sse.value if want_loss else None)
 
 
 def bias_values(bias: torch.Tensor, scale64: torch.Tensor, scale32: torch.Tensor, qmin: float, qmax: float):
@@ -313,7 +332,7 @@ def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: 
     return out, outside
 
 
-def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.Tensor], h: torch.Tensor,
+def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.Tensor], h: Optional[torch.Tensor],
                    g: Optional[torch.Tensor], s: Optional[torch.Tensor]) -> None:
     """The per-sample Gram matrices of a dilation-1 depthwise convolution, written into ``h`` / ``g`` / ``s``,
     from the zero-padded input ``xp`` (contiguous float32 ``[n, C, hp, wp]``; a plane is one sample's one channel)
@@ -322,8 +341,8 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
     ``g[n, C, m, k] = R X^T``, ``s[n, C, k] = X 1`` with ``X`` the plane's im2col columns (``k = kh * kw`` rows in
     the weight's order, ``ho * wo`` positions), as :class:`~qtorch_onnx.algorithms.reconstruction.QuadraticLayerLoss`
     builds them, summed in float64 by sliding column sums (cpu_steps.c, ``qt_depthwise_gram``) instead of an
-    im2col copy and float32 products. ``g`` / ``s`` None: not computed. The planes are split between torch's
-    intra-op threads.
+    im2col copy and float32 products. ``g`` / ``s`` None: not computed; ``h`` None: not computed, with one output
+    per channel only (``m == 1``; raises ValueError else). The planes are split between torch's intra-op threads.
 
     With one output per channel (``m == 1``, a depthwise convolution proper) the sums run on ``GRAM_BLOCK``
     channels at a time (``qt_depthwise_gram_blocked``: the block's planes interleaved in an L1-sized scratch, every
@@ -340,9 +359,11 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
         scratch = torch.empty(parts, (sh * (wp + 1) + wp + sw) * GRAM_BLOCK, dtype=torch.float64)
         blk = torch.empty(parts, (hp * wp + ho * wo + kh * kw * kh * kw) * GRAM_BLOCK, dtype=torch.float32)
         native.split(library().qt_depthwise_gram_blocked, blocks, pool,
-               lambda i, a, b: (a, b, c, hp, wp, kh, kw, sh, sw, ho, wo, xp.data_ptr(), _ptr(r), h.data_ptr(),
+               lambda i, a, b: (a, b, c, hp, wp, kh, kw, sh, sw, ho, wo, xp.data_ptr(), _ptr(r), _ptr(h),
                                 _ptr(g), _ptr(s), scratch[i].data_ptr(), blk[i].data_ptr()))
         return
+    if h is None:
+        raise ValueError(f"depthwise_gram: h is needed with {m} outputs per channel")
     fn = library().qt_depthwise_gram
     pool = _pool() if planes > 1 and xp.numel() >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], planes)

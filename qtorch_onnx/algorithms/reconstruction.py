@@ -870,7 +870,7 @@ class QuadraticLayerLoss:
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor, train_bias: bool,
-                 chunk: int = 4) -> None:
+                 chunk: int = 4, sparse: bool = False) -> None:
         self.module = module
         n = x.shape[0]
         probe = _columns(module, x[:1])
@@ -897,14 +897,21 @@ class QuadraticLayerLoss:
         self.S, self.Y = (self._flat[:, o:o + z].view(n, *sh) for o, z, sh in self._parts[2:]) \
             if self.train_bias else (None, None)
         self.C = torch.empty(n, dtype=torch.float64, device=dev)
-        # small layers on a CPU: an iteration's gradient in one C call (cpu_steps.gram_gradient), the scratch for it
+        # small layers on a CPU, and any size with a sparse dw: an iteration's gradient in one C call
+        # (cpu_steps.gram_gradient, whose products skip the zeros of dw), the scratch for it
         self._small = None
-        if dev.type == "cpu" and g * (out // g) * k * k <= SMALL_GRAM_MACS:
+        if dev.type == "cpu" and (sparse or g * (out // g) * k * k <= SMALL_GRAM_MACS):
             from . import cpu_steps
 
             if cpu_steps.available():
-                self._small = torch.empty(sum(sizes) + out * k, dtype=f32)
+                self._small = torch.empty(cpu_steps.gram_scratch_size(sum(sizes), g, out, k), dtype=f32)
         fused = _fused_depthwise(module, x, length)
+        # a sparse dw on a depthwise layer (AdaQuant: a few weights flip): H's rows are computed when a nonzero of dw
+        # first needs them (_fill_rows), not all up front (9-25x the work of G on 3x3 / 5x5 kernels)
+        self._sparse = sparse
+        self._filled = torch.zeros(g, k, dtype=torch.uint8) if sparse and fused is not None and out == g else None
+        self._x = x if self._filled is not None else None
+        self.rows_filled = 0  # rows of H filled lazily (per sample)
         with torch.no_grad():
             own = _own_forward(module)
             for a in range(0, n, chunk):
@@ -915,7 +922,7 @@ class QuadraticLayerLoss:
                 # "... through oneDNN")
                 rc = _target_rows(module, target[a:a + chunk].to(f32) - own(xs).to(f32))  # [m, out, L]
                 m = rc.shape[0]
-                h = torch.empty(m, g, k, k, dtype=f32, device=dev)  # contiguous, then into the rows
+                h = torch.empty(m, g, k, k, dtype=f32, device=dev) if self._filled is None else None
                 gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)
                 sv = torch.empty(m, g, k, dtype=f32, device=dev) if self.train_bias else None
                 if fused is not None:  # depthwise: sliding sums over the padded planes, no im2col (cpu_steps.c)
@@ -937,23 +944,32 @@ class QuadraticLayerLoss:
                         torch.matmul(rg, xt, out=gg)
                     if self.train_bias:
                         sv.copy_(xc.sum(-1))
-                self.H[a:a + m] = h
+                if h is None:
+                    self.H[a:a + m] = 0.0  # a row not filled is multiplied by zeros only
+                else:
+                    self.H[a:a + m] = h
                 self.G[a:a + m] = gg
                 self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
                     self.S[a:a + m] = sv
                     self.Y[a:a + m] = rc.sum(-1)
         self._c = self.C.tolist()  # the constants per sample, as Python floats (summed per mini-batch)
+        # (a sum is finite only if every term is: one pass without temporaries; one that overflows keeps a finite
+        # layer off the C path, which costs time only)
+        if self._small is not None and not math.isfinite(float(self._flat.sum())):
+            self._small = None  # the C products skip dw's zeros, which is exact for finite Gram matrices only
 
     @staticmethod
     def plan(module: nn.Module, x: torch.Tensor, target: torch.Tensor, iterations: int, batch: int,
-             budget: int = GRAM_BUDGET_BYTES) -> Optional[str]:
+             budget: int = GRAM_BUDGET_BYTES, density: float = 1.0) -> Optional[str]:
         """Why the quadratic form fits this layer (a short note), or None to train by forward passes.
 
         The cost model counts multiply-adds: forward path ``3 B L K out`` per iteration (convolution,
         weight-gradient, loss; times ``DEPTHWISE_SLOWDOWN`` for depthwise-like convolutions) plus
-        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``out K^2 + B g K^2`` per iteration
-        (``N`` samples, ``B`` batch, ``L`` output positions, ``K`` weights per output, ``g`` groups)."""
+        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``d out K^2 + B g K^2`` per iteration
+        (``N`` samples, ``B`` batch, ``L`` output positions, ``K`` weights per output, ``g`` groups, ``d`` =
+        ``density``: the mean fraction of ``dw`` that is nonzero, whose products the C path skips on a CPU; below
+        1 for AdaQuant's integer weights, which move on their grid)."""
         if target.dim() < 2 or x.shape[0] != target.shape[0]:
             return None
         probe = _columns(module, x[:1])
@@ -969,7 +985,10 @@ class QuadraticLayerLoss:
             return None
         slow = DEPTHWISE_SLOWDOWN if g > 1 and out // g <= 4 else 1.0
         forward = iterations * (3.0 * batch * length * k * out * slow + OVERHEAD_MACS)
-        quadratic = 1.0 * n * length * k * k * g + n * length * k * out + iterations * (out * k * k + batch * g * k * k)
+        if x.device.type != "cpu":
+            density = 1.0  # (the C path is the CPU's; a GPU multiplies every column)
+        quadratic = (1.0 * n * length * k * k * g + n * length * k * out
+                     + iterations * (density * out * k * k + batch * g * k * k))
         if quadratic >= forward:
             return None
         return f"quadratic loss ({gram_bytes / 2**20:.1f} MiB of Gram matrices, {forward / quadratic:.0f}x fewer MACs)"
@@ -994,7 +1013,15 @@ class QuadraticLayerLoss:
         f32 = dtype == torch.float32  # the iterations' case: no conversions (each a dispatch, even when a no-op)
         w = wq.detach().reshape(g, out // g, k)
         w = w - self.w0 if f32 and w.dtype == dtype else w.to(dtype) - self.w0.to(dtype)  # dw
+        if self._filled is not None:
+            self._fill_rows(w)
         H, G, const, S, Y = self._batch(idx)
+        if not want_grad:  # the loss alone: only the columns a nonzero of dw multiplies count (AdaQuant's few)
+            used = (w != 0).flatten(0, 1).any(0)
+            if not bool(used.all()):
+                cols = used.nonzero().flatten()
+                w, H, G = w[..., cols], H[:, cols][..., cols], G[..., cols]
+                S = S[..., cols] if S is not None else None
         if not f32:
             H, G, S, Y = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (H, G, S, Y))
         if g == 1 and f32 and H.device.type == "cpu":  # H is symmetric: H dw_o as the rows of dw H^T (gemm.py)
@@ -1018,6 +1045,33 @@ class QuadraticLayerLoss:
                 gb = torch.add(ws, b, alpha=nl).sub_(Y).mul_(2.0)
         return wq, R, bq, gb, sse
 
+    def fill_for(self, weight: torch.Tensor) -> None:
+        """Make the rows of H that the quantized ``weight`` (any shape of ``out * k`` float32 elements) needs hold
+        their values (lazily built layers; else nothing to do)."""
+        if self._filled is not None:
+            g, k, out = self.groups, self.k, self.out
+            self._fill_rows(weight.detach().reshape(g, out // g, k) - self.w0)
+
+    def _fill_rows(self, dw: torch.Tensor) -> None:
+        """Compute the rows (and, H being symmetric, the columns) of every sample's H that a nonzero of ``dw``
+        (``[g, out / g, k]``) multiplies and that are not filled yet: a lazily built depthwise layer's
+        (``self._filled``). Each is ``H_i[c, j, :] = X_ic[j] X_ic^T`` from the cached input's im2col columns of
+        channel ``c``, summed in float64 as the C sliding sums of the eager build are."""
+        need = (dw != 0).any(1).to(torch.uint8).cpu() > self._filled  # [g, k]: used and not filled
+        if not bool(need.any()):
+            return
+        m = self.module
+        for c in need.any(1).nonzero().flatten().tolist():
+            cols = need[c].nonzero().flatten()
+            xc = torch.nn.functional.unfold(self._x[:, c:c + 1].to(torch.float64), m.kernel_size,
+                                            padding=m.padding, stride=m.stride)  # [n, k, L]
+            rows = torch.bmm(xc[:, cols], xc.transpose(1, 2)).to(torch.float32)  # [n, len(cols), k]
+            h = self.H[:, c]                                                       # [n, k, k], a view of the rows
+            h[:, cols, :] = rows
+            h[:, :, cols] = rows.transpose(1, 2)
+            self._filled[c, cols] = 1
+            self.rows_filled += len(cols)
+
     def start_value(self) -> float:
         """The loss over all samples of the weight and bias the layer had when this was built (``w0``, ``b0``):
         the constant term, ``sum_i c_i`` (float64 sums of the float32 residual squares), divided like
@@ -1026,8 +1080,16 @@ class QuadraticLayerLoss:
 
     def value(self, idx: torch.Tensor) -> float:
         """The loss of the samples ``idx`` (int64 ``[B]`` or a list of ints, repeats allowed), as ``_rec_loss``
-        would give it (the products in float64)."""
+        would give it, with the module's current weight and bias: the products in float64, or on the C path
+        (:func:`cpu_steps.gram_gradient`: float32 products of the nonzeros of ``dw``, summed in float64) where
+        ``dw`` is sparse (AdaQuant's integer weights; a dense float64 product over every column ``dw`` uses would
+        cost ``out K^2`` there)."""
         with torch.no_grad():
+            if self._small is not None and self._filled is None and self._sparse:
+                m = self.module
+                w = m.weight.detach().to(torch.float32)
+                b = m.bias.detach().to(torch.float32) if self.train_bias else None
+                return float(self._gradient_c(idx, w, 1.0, b, True)[2])
             return float(self._evaluate(idx, False, torch.float64)[4]) / (len(idx) * self.denominator)
 
     def gradient(self, idx: torch.Tensor, weight: torch.Tensor, factor: float = 1.0,
@@ -1044,20 +1106,32 @@ class QuadraticLayerLoss:
         if self.train_bias != (bias is not None):
             raise ValueError(f"QuadraticLayerLoss.gradient: train_bias={self.train_bias} needs "
                              f"{'a' if self.train_bias else 'no'} bias")
-        if self._small is not None and not want_loss and weight.dtype == torch.float32:
-            from . import cpu_steps
-
-            ids = idx.tolist() if isinstance(idx, torch.Tensor) else idx
-            g, k, out = self.groups, self.k, self.out
-            R, gb = cpu_steps.gram_gradient(
-                self._flat, ids, g, out, k, weight.reshape(g, out // g, k).contiguous(), self.w0,
-                None if bias is None else bias.reshape(out).to(torch.float32).contiguous(), self.b0,
-                float(len(ids) * self.length), 2.0 * factor / (len(ids) * self.denominator), self._small)
-            return R.reshape(weight.shape), None if gb is None else gb.reshape(bias.shape), None
+        if self._small is not None and weight.dtype == torch.float32:
+            return self._gradient_c(idx, weight, factor, bias, want_loss)
         _, R, _, gb, sse = self._evaluate(idx, True, weight=weight, bias=bias, want_loss=want_loss)
         f = factor / (len(idx) * self.denominator)
         return (R.mul_(2.0 * f).reshape(weight.shape), None if gb is None else gb.mul_(f).reshape(bias.shape),
                 None if sse is None else sse * f)
+
+    def _gradient_c(self, idx, weight: torch.Tensor, factor: float, bias: Optional[torch.Tensor], want_loss: bool):
+        """:meth:`gradient` on the C path (``self._small``): one call, rows of a lazily built H filled first."""
+        from . import cpu_steps
+
+        ids = idx.tolist() if isinstance(idx, torch.Tensor) else idx
+        g, k, out = self.groups, self.k, self.out
+        f = factor / (len(ids) * self.denominator)
+        w = weight.reshape(g, out // g, k).contiguous()
+        b = None if bias is None else bias.reshape(out).to(torch.float32).contiguous()
+        args = (self._flat, ids, g, out, k, w, self.w0, b, self.b0, float(len(ids) * self.length), 2.0 * f,
+                self._small, want_loss, self._filled)
+        got = cpu_steps.gram_gradient(*args)
+        if got is None:  # rows of H to fill first
+            self.fill_for(w)
+            got = cpu_steps.gram_gradient(*args)
+        R, gb, sse = got
+        loss = None if sse is None else \
+            torch.tensor((sse + sum(self._c[i] for i in ids)) * f, dtype=torch.float64)
+        return R.reshape(weight.shape), None if gb is None else gb.reshape(bias.shape), loss
 
     def backward(self, idx: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
         """Accumulate the gradient of ``factor * loss(idx)`` into the trained parameters (through the weight

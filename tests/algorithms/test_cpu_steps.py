@@ -490,10 +490,12 @@ def test_bias_values_bit_exact(per_channel):
     (lambda: torch.nn.Linear(7, 3), (5, 4, 7)),
 ])
 @pytest.mark.parametrize("train_bias", [False, True])
-def test_small_gram_gradient_equals_the_torch_path(make, shape, train_bias):
-    """A small Gram-matrix layer's gradient in one C call equals QuadraticLayerLoss's torch path (groups, a depthwise
-    and a token-wise layer; mini-batches of one, two and three samples with a repeat; with and without the bias) to
-    float32 rounding, and is used only where no loss is asked for."""
+@pytest.mark.parametrize("sparse", [False, True])
+def test_small_gram_gradient_equals_the_torch_path(make, shape, train_bias, sparse):
+    """A small Gram-matrix layer's gradient and loss in one C call equal QuadraticLayerLoss's torch path (groups, a
+    depthwise and a token-wise layer; mini-batches of one, two and three samples with a repeat; with and without the
+    bias) to float32 rounding, with a dense weight change and with a sparse one (AdaQuant's: most of dw zero, whole
+    columns of H unused, which the C products skip)."""
     from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
 
     torch.manual_seed(0)
@@ -503,21 +505,63 @@ def test_small_gram_gradient_equals_the_torch_path(make, shape, train_bias):
         target = m(x) + 0.1 * torch.randn_like(m(x))
     quad = QuadraticLayerLoss(m, x, target, train_bias=train_bias)
     assert quad._small is not None
-    w = m.weight.detach() + 0.01 * torch.randn(m.weight.shape)
+    delta = 0.01 * torch.randn(m.weight.shape)
+    if sparse:
+        keep = torch.zeros(delta.numel())
+        keep[::5] = 1.0
+        delta = delta * keep.reshape(delta.shape)
+    w = m.weight.detach() + delta
     b = m.bias.detach() + 0.01 if train_bias else None
     for idx in ([0, 3], [2, 2, 4], [1]):
-        gw, gb, loss = quad.gradient(idx, w, 0.5, bias=b, want_loss=False)
-        assert loss is None
-        small, quad._small = quad._small, None
-        try:
-            rw, rb, _ = quad.gradient(idx, w, 0.5, bias=b, want_loss=False)
-        finally:
-            quad._small = small
-        torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-6 * float(rw.abs().max()))
-        if train_bias:
-            torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-6 * float(rb.abs().max()))
-        else:
-            assert gb is None and rb is None
+        for want_loss in (False, True):
+            gw, gb, loss = quad.gradient(idx, w, 0.5, bias=b, want_loss=want_loss)
+            small, quad._small = quad._small, None
+            try:
+                rw, rb, rl = quad.gradient(idx, w, 0.5, bias=b, want_loss=want_loss)
+            finally:
+                quad._small = small
+            torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-6 * float(rw.abs().max()))
+            if train_bias:
+                torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-6 * float(rb.abs().max()))
+            else:
+                assert gb is None and rb is None
+            if want_loss:
+                assert loss.dtype == torch.float64 and loss.dim() == 0
+                assert abs(float(loss) - float(rl)) <= 1e-5 * abs(float(rl))
+            else:
+                assert loss is None and rl is None
+
+
+def test_gram_gradient_skips_zeros_with_the_dense_bits():
+    """The C product skips the zeros of dw (and the rows of H no nonzero multiplies) and gives the bits of the same
+    product with every row added: checked against the same call where the skipped rows of H hold other finite values
+    (they cannot matter); a non-finite Gram matrix keeps the layer off the C path."""
+    from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    torch.manual_seed(1)
+    m = torch.nn.Conv2d(16, 12, 1)
+    x = torch.randn(6, 16, 5, 5)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn(6, 12, 5, 5)
+    quad = QuadraticLayerLoss(m, x, target, train_bias=True, sparse=True)
+    w0 = quad.w0
+    dw = torch.zeros_like(w0)
+    dw[0, 3, 2], dw[0, 7, 2], dw[0, 1, 9] = 1e-3, -2e-3, 5e-4  # columns 2 and 9 of H used
+    w, b = (w0 + dw).contiguous(), (m.bias.detach() + 1e-3).contiguous()
+    args = (quad._flat, [1, 4], 1, 12, 16, w, w0, b, quad.b0, 50.0, 0.1, quad._small, True)
+    r, gb, sse = cpu_steps.gram_gradient(*args)
+    flat = quad._flat.clone()
+    h = flat[:, :16 * 16].view(6, 16, 16)
+    unused = [c for c in range(16) if c not in (2, 9)]
+    h[:, unused, :] = 7.0  # rows no nonzero of dw multiplies
+    r2, gb2, sse2 = cpu_steps.gram_gradient(flat, *args[1:])
+    assert torch.equal(r.view(torch.int32), r2.view(torch.int32)) and torch.equal(gb.view(torch.int32),
+                                                                                  gb2.view(torch.int32))
+    assert sse == sse2
+    bad = QuadraticLayerLoss(m, x.clone().index_fill_(0, torch.tensor([2]), float("inf")), target, train_bias=False,
+                             sparse=True)
+    assert bad._small is None
 
 
 @pytest.mark.parametrize("kind", ["pointwise", "depthwise", "depthwise strided", "other"])
@@ -555,3 +599,50 @@ def test_staged_convolution_routes_equal_the_module(kind):
         own = Own(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                   groups=conv.groups)
         assert rc._staged_conv(own, x) is None
+
+
+def test_lazy_depthwise_gram_rows_equal_the_eager_ones():
+    """A sparse dw on a depthwise layer (AdaQuant's integer weights) builds no H up front: the rows a nonzero of dw
+    needs are filled when first needed (the C gradient asks for them, the torch path fills them), with the eager
+    build's values to float rounding; gradients and losses agree, the rows no nonzero needs stay unfilled."""
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    torch.manual_seed(0)
+    m = torch.nn.Conv2d(32, 32, 5, padding=2, groups=32)
+    x = torch.randn(6, 32, 14, 14)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn(6, 32, 14, 14)
+    eager = QuadraticLayerLoss(m, x, target, True, sparse=False)
+    lazy = QuadraticLayerLoss(m, x, target, True, sparse=True)
+    assert eager._filled is None and lazy._filled is not None and lazy._small is not None
+    assert lazy.rows_filled == 0 and float(lazy.H.abs().sum()) == 0.0
+    w = m.weight.detach().clone()
+    w.view(-1)[[5, 77, 300, 301]] += torch.tensor([1e-2, -2e-2, 3e-2, 1e-2])  # channels 0, 3, 12; 4 taps
+    b = m.bias.detach().clone()
+    for idx in ([0, 3], [2, 2, 4]):
+        for want_loss in (False, True):
+            ge, be, le = eager.gradient(idx, w, 1.0, bias=b, want_loss=want_loss)
+            gl, bl, ll = lazy.gradient(idx, w, 1.0, bias=b, want_loss=want_loss)
+            torch.testing.assert_close(gl, ge, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(bl, be, rtol=1e-5, atol=1e-7)
+            if want_loss:
+                assert abs(float(ll) - float(le)) <= 1e-9 * abs(float(le))
+    assert lazy.rows_filled == 4 and int(lazy._filled.sum()) == 4
+    filled = lazy._filled.bool()
+    torch.testing.assert_close(lazy.H[:, filled], eager.H[:, filled], rtol=1e-6, atol=0.0)
+    assert float(lazy.H[:, 1].abs().sum()) == 0.0  # channel 1: no nonzero, no row
+    with torch.no_grad():
+        m.weight.copy_(w)
+    assert abs(lazy.value([0, 1, 2]) - eager.value([0, 1, 2])) <= 1e-6 * abs(eager.value([0, 1, 2]))
+
+
+def test_plan_counts_the_products_a_sparse_dw_skips():
+    """QuadraticLayerLoss.plan's density: a [512, 512] 1x1 layer on a 7x7 plane trains by forward passes when every
+    weight moves (AdaRound), on its Gram matrices when few flip (AdaQuant on its grid, the C products skipping the
+    zeros of dw)."""
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    m = torch.nn.Conv2d(512, 512, 1)
+    x, t = torch.zeros(16, 512, 7, 7), torch.zeros(16, 512, 7, 7)
+    assert QuadraticLayerLoss.plan(m, x, t, 50, 2) is None
+    assert QuadraticLayerLoss.plan(m, x, t, 50, 2, density=0.002) is not None
