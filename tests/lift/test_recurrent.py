@@ -17,7 +17,7 @@ from qtorch_onnx.errors import DataError, UnsupportedOpsError
 from qtorch_onnx.lift import lift
 from qtorch_onnx.lift.recurrent import OnnxRecurrent, dynamic_quantize_uint8, parse_activations
 
-from .helpers import make_model, rel_l2, run_gm, run_ort
+from .helpers import make_model, rel_l2, requires_exact_ort_u8s8, run_gm, run_ort
 
 F = TensorProto.FLOAT
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -314,6 +314,7 @@ def _ort_one_thread(m, feeds):
     return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
+@requires_exact_ort_u8s8
 @pytest.mark.parametrize("kw", [dict(), dict(per_column=True), dict(signed=False), dict(D=1, N=3, lens=[6, 3, 1]),
                                 dict(N=3, lens=[6, 0, 2]), dict(N=4, T=12, H=16, I=24)])
 def test_dynamic_quantize_lstm_matches_onnxruntime(kw):
@@ -329,6 +330,7 @@ def test_dynamic_quantize_lstm_matches_onnxruntime(kw):
         assert ref.kind == "param" and torch.equal(ref.resolve(gm), torch.from_numpy(np.array(inits[name])))
 
 
+@requires_exact_ort_u8s8
 def test_dynamic_quantize_lstm_emulates_activation_quantization():
     """A float LSTM on the dequantized weights differs from ONNX Runtime by far more than the emulation does."""
     m, feeds, (wf, rf, inits) = _dq_lstm_model(N=2, T=10, H=8, I=6, seed=3)
