@@ -1648,3 +1648,25 @@ def test_adaquant_goes_through_the_activation_on_integer_weights_only():
     assert not through("A8W8", "adaround")
     assert not through("BFP16", "adaquant") and not through("BF16", "adaquant")
     assert through("BFP16", "adaquant", through_activation=True) == through("A8W8", "adaquant")
+
+
+def test_flip_density_follows_learning_rate_iterations_and_scale():
+    """_flip_density, the expected mean fraction of AdaQuant's flipped integer weights that QuadraticLayerLoss.plan
+    counts: T lr / (2 scale) while a weight can move less than a step, approaching 1 beyond, the mean over the
+    channels' scales; LRAdjust's larger learning rate counts."""
+    import importlib
+    from dataclasses import replace
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    qm = _prepared("A8W8")
+    layer = qm.layers()[0]
+    s = ff._settings(qm, {"OptimAlgorithm": "adaquant", "NumIterations": 50, "LearningRate": 1e-5}, None, {})
+    scale = ff._fixed_qparams(layer.weight_quantizer, layer.weight.detach())[0].double().flatten()
+    a = 50 * 1e-5 / scale
+    want = float(torch.where(a <= 1, a / 2, 1 - 0.5 / a.clamp(min=1.0)).mean())
+    got = ff._flip_density(layer, s)
+    assert 0.0 < got < 1.0 and math.isclose(got, want, rel_tol=1e-9)
+    assert ff._flip_density(layer, replace(s, num_iterations=500)) > got
+    big = ff._flip_density(layer, replace(s, learning_rate=1e3))
+    assert 0.99 < big <= 1.0
+    assert ff._flip_density(layer, replace(s, lr_adjust=(0.0, 1e-3))) > got
