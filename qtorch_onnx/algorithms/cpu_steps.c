@@ -34,7 +34,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -894,6 +894,20 @@ static inline vf loadu(const float *p) {
     return v;
 }
 
+/* a whole block stored: one 64-byte copy with AVX-512; two 256-bit halves otherwise (GCC copied a 64-byte vector
+ * to memory through the stack in 16-byte pieces there) */
+static inline void storeu(float *p, vf v) {
+#ifdef __AVX512F__
+    __builtin_memcpy(p, &v, sizeof v);
+#else
+    typedef float vh __attribute__((vector_size(VL / 2 * sizeof(float))));
+    vh lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    vh hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    __builtin_memcpy(p, &lo, sizeof lo);
+    __builtin_memcpy(p + VL / 2, &hi, sizeof hi);
+#endif
+}
+
 /* the first n (<= VL) lanes of a block: a full one is one vector load / store; a partial one a masked load / store
  * with AVX-512 (a copy of a variable length compiles to `rep movs`, about 30 cycles a block: it was half of these
  * kernels' time), lane by lane otherwise */
@@ -917,7 +931,7 @@ static inline vf load_n(const float *p, int64_t n) {
 
 static inline void store_n(float *p, vf v, int64_t n) {
     if (n == VL) {
-        __builtin_memcpy(p, &v, sizeof v);
+        storeu(p, v);
         return;
     }
     for (int64_t t = 0; t < n; t++)
@@ -998,6 +1012,7 @@ static inline void add_lanes(vf a, double *restrict tot) {
             vf gv = load_n(g + y * wo + x0, wo - x0 < VL ? wo - x0 : VL);                                              \
             const float *row = pp + sh * y * wq + x0;
 
+#if defined(__AVX512F__) || !defined(__AVX2__)
 static void dw_wgrad_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
                         int64_t wo, const float *restrict g, double *restrict tot) {
     vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0;
@@ -1021,6 +1036,71 @@ static void dw_wgrad_k5(const float *restrict pp, int64_t wq, const int64_t *res
     add_lanes(a0, tot); add_lanes(a1, tot + 1); add_lanes(a2, tot + 2); add_lanes(a3, tot + 3);
     add_lanes(a4, tot + 4);
 }
+
+#else
+/* the same on AVX2: each half of a block's sixteen lanes in its own pass over the plane, nine (five) named 256-bit
+ * accumulators (eighteen registers in the sixteen-lane form: GCC kept them on the stack); each lane's float sum is
+ * the same, and the lanes are summed in float64 in lane order as add_lanes does */
+static const int32_t half_lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1};
+
+static inline vf8 load8_n(const float *p, int64_t n) { /* lanes [0, n) of p, zeros after (n may be <= 0) */
+    n = n < 0 ? 0 : (n > 8 ? 8 : n);
+    return (vf8)_mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i *)(half_lanes + 8 - n)));
+}
+
+#define DW_TAP8(i)                                                                                                     \
+    do {                                                                                                               \
+        vf8 xv;                                                                                                        \
+        __builtin_memcpy(&xv, row + o##i, sizeof xv);                                                                  \
+        a##i += gv * xv;                                                                                               \
+    } while (0)
+#define DW_WGRAD8_PASS(TAPS)                                                                                           \
+    for (int64_t y = 0; y < ho; y++)                                                                                   \
+        for (int64_t x0 = 0; x0 < wo; x0 += VL) {                                                                      \
+            vf8 gv = load8_n(g + y * wo + x0 + hf, (wo - x0 < VL ? wo - x0 : VL) - hf);                              \
+            const float *row = pp + sh * y * wq + x0 + hf;                                                             \
+            TAPS;                                                                                                      \
+        }
+/* lanes of the taps' accumulators: the first half kept, then every tap's sixteen lanes summed in order */
+#define DW_LANES8(i)                                                                                                   \
+    do {                                                                                                               \
+        if (hf == 0)                                                                                                   \
+            __builtin_memcpy(lo[i], &a##i, sizeof a##i);                                                               \
+        else {                                                                                                         \
+            double sum = 0.0;                                                                                          \
+            for (int t = 0; t < 8; t++)                                                                                \
+                sum += (double)lo[i][t];                                                                               \
+            for (int t = 0; t < 8; t++)                                                                                \
+                sum += (double)a##i[t];                                                                                \
+            tot[i] += sum;                                                                                             \
+        }                                                                                                              \
+    } while (0)
+
+static void dw_wgrad_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
+                        int64_t wo, const float *restrict g, double *restrict tot) {
+    int64_t o0 = off[0], o1 = off[1], o2 = off[2], o3 = off[3], o4 = off[4], o5 = off[5], o6 = off[6], o7 = off[7],
+            o8 = off[8];
+    float lo[9][8] = {{0}};
+    for (int64_t hf = 0; hf < VL; hf += 8) {
+        vf8 a0 = {0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0;
+        DW_WGRAD8_PASS(DW_TAP8(0); DW_TAP8(1); DW_TAP8(2); DW_TAP8(3); DW_TAP8(4); DW_TAP8(5); DW_TAP8(6);
+                       DW_TAP8(7); DW_TAP8(8))
+        DW_LANES8(0); DW_LANES8(1); DW_LANES8(2); DW_LANES8(3); DW_LANES8(4); DW_LANES8(5); DW_LANES8(6);
+        DW_LANES8(7); DW_LANES8(8);
+    }
+}
+
+static void dw_wgrad_k5(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
+                        int64_t wo, const float *restrict g, double *restrict tot) {
+    int64_t o0 = off[0], o1 = off[1], o2 = off[2], o3 = off[3], o4 = off[4];
+    float lo[5][8] = {{0}};
+    for (int64_t hf = 0; hf < VL; hf += 8) {
+        vf8 a0 = {0}, a1 = a0, a2 = a0, a3 = a0, a4 = a0;
+        DW_WGRAD8_PASS(DW_TAP8(0); DW_TAP8(1); DW_TAP8(2); DW_TAP8(3); DW_TAP8(4))
+        DW_LANES8(0); DW_LANES8(1); DW_LANES8(2); DW_LANES8(3); DW_LANES8(4);
+    }
+}
+#endif
 
 /* ... any k, one tap at a time over the plane (the same float lanes and sums per tap) */
 static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
@@ -1199,13 +1279,13 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++)                                                 \
                 _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] += wv[i] * loadu(base + j * step + o[i]); \
             _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++)                                                      \
-                __builtin_memcpy(prow + (xx + j) * GB, &acc[j], sizeof(vf));                                           \
+                storeu(prow + (xx + j) * GB, acc[j]);                                                                  \
         }                                                                                                              \
         for (; xx < wo; xx++) {                                                                                        \
             const float *base = xs + xx * step;                                                                        \
             vf acc = bv;                                                                                               \
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++) acc += wv[i] * loadu(base + o[i]);             \
-            __builtin_memcpy(prow + xx * GB, &acc, sizeof acc);                                                        \
+            storeu(prow + xx * GB, acc);                                                                               \
         }                                                                                                              \
         (void)k;                                                                                                       \
     }
@@ -1224,17 +1304,17 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
             a2 += wv * loadu(base + 2 * step + off[i]);
             a3 += wv * loadu(base + 3 * step + off[i]);
         }
-        __builtin_memcpy(prow + xx * GB, &a0, sizeof a0);
-        __builtin_memcpy(prow + (xx + 1) * GB, &a1, sizeof a1);
-        __builtin_memcpy(prow + (xx + 2) * GB, &a2, sizeof a2);
-        __builtin_memcpy(prow + (xx + 3) * GB, &a3, sizeof a3);
+        storeu(prow + xx * GB, a0);
+        storeu(prow + (xx + 1) * GB, a1);
+        storeu(prow + (xx + 2) * GB, a2);
+        storeu(prow + (xx + 3) * GB, a3);
     }
     for (; xx < wo; xx++) {
         const float *base = xs + xx * step;
         vf acc = bv;
         for (int64_t i = 0; i < k; i++)
             acc += loadu(wb + i * GB) * loadu(base + off[i]);
-        __builtin_memcpy(prow + xx * GB, &acc, sizeof acc);
+        storeu(prow + xx * GB, acc);
     }
 }
 
@@ -1257,8 +1337,44 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
             for (int t = 0; t < GB; t++)                                                                               \
                 gtot[(i0 + j) * GB + t] += (double)s[j][t];                                                            \
     }
-DWB_WGRAD(dwb_wgrad_8, 8)
 DWB_WGRAD(dwb_wgrad_1, 1)
+#ifdef __AVX512F__
+DWB_WGRAD(dwb_wgrad_8, 8)
+#else
+/* dwb_wgrad_8 on AVX2: the same sums per lane, eight lanes (one 256-bit vector) at a time, eight named accumulators
+ * (the sixteen-lane form's eight accumulators need sixteen registers, and GCC kept them on the stack) */
+static void dwb_wgrad_8(const float *restrict xs, const int64_t *restrict off, int64_t i0, int64_t sh, int64_t wp,
+                        int64_t step, int64_t ho, int64_t wo, const float *restrict g, double *restrict gtot) {
+    const int64_t o0 = off[i0], o1 = off[i0 + 1], o2 = off[i0 + 2], o3 = off[i0 + 3], o4 = off[i0 + 4],
+                  o5 = off[i0 + 5], o6 = off[i0 + 6], o7 = off[i0 + 7];
+    for (int64_t hf = 0; hf < GB; hf += 8) {
+        vf8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0}, s5 = {0}, s6 = {0}, s7 = {0};
+        for (int64_t y = 0; y < ho; y++) {
+            const float *xr = xs + sh * y * wp * GB + hf, *gy = g + y * wo * GB + hf;
+            for (int64_t xx = 0; xx < wo; xx++) {
+                vf8 gv, t;
+                __builtin_memcpy(&gv, gy + xx * GB, sizeof gv);
+                const float *xq = xr + xx * step;
+#define DWB_TAP8(j)                                                                                                    \
+    __builtin_memcpy(&t, xq + o##j, sizeof t);                                                                         \
+    s##j += gv * t
+                DWB_TAP8(0); DWB_TAP8(1); DWB_TAP8(2); DWB_TAP8(3); DWB_TAP8(4); DWB_TAP8(5); DWB_TAP8(6); DWB_TAP8(7);
+#undef DWB_TAP8
+            }
+        }
+        for (int t = 0; t < 8; t++) {
+            gtot[(i0 + 0) * GB + hf + t] += (double)s0[t];
+            gtot[(i0 + 1) * GB + hf + t] += (double)s1[t];
+            gtot[(i0 + 2) * GB + hf + t] += (double)s2[t];
+            gtot[(i0 + 3) * GB + hf + t] += (double)s3[t];
+            gtot[(i0 + 4) * GB + hf + t] += (double)s4[t];
+            gtot[(i0 + 5) * GB + hf + t] += (double)s5[t];
+            gtot[(i0 + 6) * GB + hf + t] += (double)s6[t];
+            gtot[(i0 + 7) * GB + hf + t] += (double)s7[t];
+        }
+    }
+}
+#endif
 
 /* qt_depthwise_direct with GB channels per vector instead of VL output columns, for small planes (a 7 x 7 output
  * fills 7 of 16 lanes per plane row there, and each plane pays its own padded copy and lane sums). Per block of GB
