@@ -421,19 +421,25 @@ void qt_depthwise_gram(int64_t p0, int64_t p1, int64_t hp, int64_t wp, int64_t k
 
 #define GB 16 /* channels per block of qt_depthwise_gram_blocked: the block's planes, interleaved, stay in L1 */
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
-typedef double vd8 __attribute__((vector_size(8 * sizeof(double))));
-
+/* float64 vectors for the Gram matrices' sums: DN doubles, the widest register (one AVX-512 register; one 256-bit
+ * one otherwise: GCC moved a 64-byte vector between memory and registers through the stack in 16-byte pieces on AVX2,
+ * and sixteen accumulators of two registers each spilled). The sums per lane do not depend on DN. */
 #ifdef __AVX512F__
 #include <immintrin.h>
-static inline vd8 load8d(const float *p) { /* 8 floats widened to 8 doubles: one vcvtps2pd (GCC's generic
+#define DN 8
+typedef double vdn __attribute__((vector_size(DN * sizeof(double))));
+static inline vdn loaddn(const float *p) { /* 8 floats widened to 8 doubles: one vcvtps2pd (GCC's generic
                                              * conversion splits it into 128-bit pieces) */
-    return (vd8)_mm512_cvtps_pd(_mm256_loadu_ps(p));
+    return (vdn)_mm512_cvtps_pd(_mm256_loadu_ps(p));
 }
 #else
-static inline vd8 load8d(const float *p) { /* 8 floats widened to 8 doubles */
-    vf8 v;
+#define DN 4
+typedef float vfn __attribute__((vector_size(DN * sizeof(float))));
+typedef double vdn __attribute__((vector_size(DN * sizeof(double))));
+static inline vdn loaddn(const float *p) { /* 4 floats widened to 4 doubles */
+    vfn v;
     __builtin_memcpy(&v, p, sizeof v);
-    return __builtin_convertvector(v, vd8);
+    return __builtin_convertvector(v, vdn);
 }
 #endif
 
@@ -467,37 +473,15 @@ static void interleave(float *restrict dst, const float *restrict src, int64_t l
 
 /* col[j] += sign * u[j] v[j] for j in [j0, j1) (multiples of GB), in float64: one interleaved row segment (columns x
  * GB channels) */
-#ifdef __AVX512F__
 __attribute__((noinline)) static void blk_madd(double *restrict col, const float *restrict u, const float *restrict v,
                                                int64_t j0, int64_t j1, double sign) {
-    for (int64_t j = j0; j < j1; j += 8) {
-        vd8 c;
+    for (int64_t j = j0; j < j1; j += DN) {
+        vdn c;
         __builtin_memcpy(&c, col + j, sizeof c);
-        c += sign * (load8d(u + j) * load8d(v + j));
+        c += sign * (loaddn(u + j) * loaddn(v + j));
         __builtin_memcpy(col + j, &c, sizeof c);
     }
 }
-#else
-/* the same per lane in 256-bit vectors: GCC moved each 64-byte vector between memory and registers through the
- * stack in 16-byte pieces (on a Zen 3 this loop was 15 % of the Gram matrices' time) */
-typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
-typedef double vd4 __attribute__((vector_size(4 * sizeof(double))));
-static inline vd4 load4d(const float *p) {
-    vf4 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return __builtin_convertvector(v, vd4);
-}
-
-__attribute__((noinline)) static void blk_madd(double *restrict col, const float *restrict u, const float *restrict v,
-                                               int64_t j0, int64_t j1, double sign) {
-    for (int64_t j = j0; j < j1; j += 4) {
-        vd4 c;
-        __builtin_memcpy(&c, col + j, sizeof c);
-        c += sign * (load4d(u + j) * load4d(v + j));
-        __builtin_memcpy(col + j, &c, sizeof c);
-    }
-}
-#endif
 
 /* lattice_prefix on interleaved columns: pre[(c + sw) GB + t] = pre[c GB + t] + col[c GB + t] along each stride-sw
  * lattice of columns, pre[0, sw GB) = 0; each channel's running sums in its own lane */
@@ -583,64 +567,35 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
             }
         if (r != NULL) { /* g[n, c0 + t, i] = sum_pos r(pos) x(pos + o_i), float64 sums in position order */
             interleave(rb, r + (n * nc + c0) * l, l, l, cn);
-#ifdef __AVX512F__
-            for (int64_t i = 0; i < k; i++) { /* four partial sums per lane (positions mod 4): no add waits on the last */
+            for (int64_t i = 0; i < k; i++) { /* four partial sums per lane (positions mod 4): no add waits on the last;
+                                               * 2 DN lanes a pass, in two vectors */
                 int64_t a = i / kw, b = i % kw;
-                vd8 p0 = {0}, p1 = {0}, q0 = {0}, q1 = {0}, u0 = {0}, u1 = {0}, w0 = {0}, w1 = {0};
-                for (int64_t y = 0; y < ho; y++) {
-                    const float *u = x + ((a + sh * y) * wp + b) * GB, *v = rb + y * wo * GB;
-                    int64_t st = sw * GB, xx = 0;
-                    for (; xx + 4 <= wo; xx += 4) {
-                        const float *u4 = u + xx * st, *v4 = v + xx * GB;
-                        p0 += load8d(u4) * load8d(v4);
-                        p1 += load8d(u4 + 8) * load8d(v4 + 8);
-                        q0 += load8d(u4 + st) * load8d(v4 + GB);
-                        q1 += load8d(u4 + st + 8) * load8d(v4 + GB + 8);
-                        u0 += load8d(u4 + 2 * st) * load8d(v4 + 2 * GB);
-                        u1 += load8d(u4 + 2 * st + 8) * load8d(v4 + 2 * GB + 8);
-                        w0 += load8d(u4 + 3 * st) * load8d(v4 + 3 * GB);
-                        w1 += load8d(u4 + 3 * st + 8) * load8d(v4 + 3 * GB + 8);
-                    }
-                    for (; xx < wo; xx++) {
-                        p0 += load8d(u + xx * st) * load8d(v + xx * GB);
-                        p1 += load8d(u + xx * st + 8) * load8d(v + xx * GB + 8);
-                    }
-                }
-                vd8 lo = (p0 + q0) + (u0 + w0), hi = (p1 + q1) + (u1 + w1);
-                for (int64_t t = 0; t < cn; t++)
-                    g[(n * nc + c0 + t) * k + i] = (float)(t < 8 ? lo[t] : hi[t - 8]);
-            }
-#else /* the same sums per lane, eight lanes at a time in 256-bit vectors (sixteen accumulators of the 512-bit form
-       * exceed AVX2's registers: GCC kept them on the stack) */
-            for (int64_t i = 0; i < k; i++) {
-                int64_t a = i / kw, b = i % kw;
-                for (int64_t hf = 0; hf < GB; hf += 8) {
-                    vd4 pa = {0}, pb = {0}, qa = {0}, qb = {0}, ua = {0}, ub = {0}, wa = {0}, wb = {0};
+                for (int64_t hf = 0; hf < GB; hf += 2 * DN) {
+                    vdn pa = {0}, pb = {0}, qa = {0}, qb = {0}, ua = {0}, ub = {0}, wa = {0}, wb = {0};
                     for (int64_t y = 0; y < ho; y++) {
                         const float *u = x + ((a + sh * y) * wp + b) * GB + hf, *v = rb + y * wo * GB + hf;
                         int64_t st = sw * GB, xx = 0;
                         for (; xx + 4 <= wo; xx += 4) {
                             const float *u4 = u + xx * st, *v4 = v + xx * GB;
-                            pa += load4d(u4) * load4d(v4);
-                            pb += load4d(u4 + 4) * load4d(v4 + 4);
-                            qa += load4d(u4 + st) * load4d(v4 + GB);
-                            qb += load4d(u4 + st + 4) * load4d(v4 + GB + 4);
-                            ua += load4d(u4 + 2 * st) * load4d(v4 + 2 * GB);
-                            ub += load4d(u4 + 2 * st + 4) * load4d(v4 + 2 * GB + 4);
-                            wa += load4d(u4 + 3 * st) * load4d(v4 + 3 * GB);
-                            wb += load4d(u4 + 3 * st + 4) * load4d(v4 + 3 * GB + 4);
+                            pa += loaddn(u4) * loaddn(v4);
+                            pb += loaddn(u4 + DN) * loaddn(v4 + DN);
+                            qa += loaddn(u4 + st) * loaddn(v4 + GB);
+                            qb += loaddn(u4 + st + DN) * loaddn(v4 + GB + DN);
+                            ua += loaddn(u4 + 2 * st) * loaddn(v4 + 2 * GB);
+                            ub += loaddn(u4 + 2 * st + DN) * loaddn(v4 + 2 * GB + DN);
+                            wa += loaddn(u4 + 3 * st) * loaddn(v4 + 3 * GB);
+                            wb += loaddn(u4 + 3 * st + DN) * loaddn(v4 + 3 * GB + DN);
                         }
                         for (; xx < wo; xx++) {
-                            pa += load4d(u + xx * st) * load4d(v + xx * GB);
-                            pb += load4d(u + xx * st + 4) * load4d(v + xx * GB + 4);
+                            pa += loaddn(u + xx * st) * loaddn(v + xx * GB);
+                            pb += loaddn(u + xx * st + DN) * loaddn(v + xx * GB + DN);
                         }
                     }
-                    vd4 la = (pa + qa) + (ua + wa), lb = (pb + qb) + (ub + wb);
-                    for (int64_t t = hf; t < cn && t < hf + 8; t++)
-                        g[(n * nc + c0 + t) * k + i] = (float)(t < hf + 4 ? la[t - hf] : lb[t - hf - 4]);
+                    vdn la = (pa + qa) + (ua + wa), lb = (pb + qb) + (ub + wb);
+                    for (int64_t t = hf; t < cn && t < hf + 2 * DN; t++)
+                        g[(n * nc + c0 + t) * k + i] = (float)(t < hf + DN ? la[t - hf] : lb[t - hf - DN]);
                 }
             }
-#endif
         }
     }
 }

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -35,7 +35,7 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size",
+           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts",
            "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
@@ -272,6 +272,13 @@ def gram_scratch_size(length: int, groups: int, out: int, k: int) -> int:
     return length + out * k + groups * (k + 1)
 
 
+def gram_scratch_parts(scratch: torch.Tensor, length: int, out: int, k: int) -> Tuple[int, int, int]:
+    """The addresses of the summed rows, ``dw`` and the used columns in ``scratch`` (:func:`gram_scratch_size`'s
+    layout)."""
+    base = scratch.data_ptr()
+    return base, base + 4 * length, base + 4 * (length + out * k)
+
+
 def gram_gradient(flat: torch.Tensor, ids, groups: int, out: int, k: int, weight: torch.Tensor, w0: torch.Tensor,
                   bias: Optional[torch.Tensor], b0: Optional[torch.Tensor], nl: float, f2: float,
                   scratch: torch.Tensor, want_loss: bool = False, filled: Optional[torch.Tensor] = None):
@@ -293,11 +300,10 @@ def gram_gradient(flat: torch.Tensor, ids, groups: int, out: int, k: int, weight
     gb = torch.empty(out, dtype=torch.float32) if bias is not None else None
     length = flat.shape[1]
     sse = ctypes.c_double(0.0)
+    acc, dw, cols = gram_scratch_parts(scratch, length, out, k)
     if library().qt_gram_gradient(n, ctypes.addressof(arr), flat.data_ptr(), length, groups, o, k, weight.data_ptr(),
-                                  w0.data_ptr(), _ptr(bias), _ptr(b0), float(nl), float(f2), scratch.data_ptr(),
-                                  scratch.data_ptr() + 4 * length, r.data_ptr(), _ptr(gb),
-                                  scratch.data_ptr() + 4 * (length + out * k), _ptr(filled),
-                                  ctypes.byref(sse) if want_loss else None):
+                                  w0.data_ptr(), _ptr(bias), _ptr(b0), float(nl), float(f2), acc, dw, r.data_ptr(),
+                                  _ptr(gb), cols, _ptr(filled), ctypes.byref(sse) if want_loss else None):
         return None
     return r, gb, (sse.value if want_loss else None)
 

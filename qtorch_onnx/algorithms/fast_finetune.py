@@ -799,8 +799,10 @@ class _FusedGram:
         length = quad._flat.shape[1]
         a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
         a.w0 = quad.w0.data_ptr()
-        a.acc, a.dw, a.R = quad._small.data_ptr(), quad._small.data_ptr() + 4 * length, self.R.data_ptr()
-        a.cols = quad._small.data_ptr() + 4 * (length + out * k)  # the used columns of H (cpu_steps.gram_scratch_size)
+        from . import cpu_steps
+
+        a.acc, a.dw, a.cols = cpu_steps.gram_scratch_parts(quad._small, length, out, k)
+        a.R = self.R.data_ptr()
         if hasattr(a, "filled"):
             a.filled = quad._filled.data_ptr() if quad._filled is not None else None
         lay = step.layout
