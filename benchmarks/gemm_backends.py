@@ -31,6 +31,9 @@ SHAPES = [
     ("direct wgrad 512->512, 7x7", 512, 49, 512),
     ("direct fwd 16->96, 112x112", 96, 16, 12544),
     ("direct wgrad 16->96, 112x112", 96, 12544, 16),
+    ("direct fwd 320->1280, 7x7", 1280, 320, 49),
+    ("direct wgrad 24->144, 56x56", 144, 3136, 24),
+    ("direct wgrad 40->240, 28x28", 240, 784, 40),
     ("small: 64x64x64", 64, 64, 64),
 ]
 
@@ -59,7 +62,7 @@ def main(argv=None) -> None:
         return
     op = torch.ops.mkldnn._linear_pointwise
     print(f"{'product':38s} {'M x K x N':>17s} {'torch ms':>9s} {'GMAC/s':>7s} {'oneDNN ms':>10s} {'GMAC/s':>7s} "
-          f"{'speedup':>8s}")
+          f"{'speedup':>8s}  matmul_nt")
     gen = torch.Generator().manual_seed(0)
     for what, m, k, n in SHAPES:
         a = torch.randn(m, k, generator=gen)
@@ -73,8 +76,9 @@ def main(argv=None) -> None:
         t_dnn = _median_ms(lambda: op(a, bt, None, "none", [], ""), args.reps)
         macs = m * k * n
         print(f"{what:38s} {f'{m}x{k}x{n}':>17s} {t_torch:9.3f} {macs / t_torch / 1e6:7.1f} {t_dnn:10.3f} "
-              f"{macs / t_dnn / 1e6:7.1f} {t_torch / t_dnn:7.2f}x")
-    print(f"matmul_nt sends products of {gemm.ONEDNN_MIN_MACS} multiply-adds or more to oneDNN")
+              f"{macs / t_dnn / 1e6:7.1f} {t_torch / t_dnn:7.2f}x  {'oneDNN' if gemm.uses_onednn(m, n, k) else 'torch'}")
+    print(f"matmul_nt: oneDNN from {gemm.ONEDNN_MIN_MACS} multiply-adds up (policy {gemm.ENV_SWITCH}="
+          f"{gemm._policy()}; on a CPU without AVX-512 only where K >= {gemm.LONG_K_RATIO} max(M, N))")
 
 
 if __name__ == "__main__":

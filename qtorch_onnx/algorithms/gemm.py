@@ -9,11 +9,21 @@ sets the CPU reports and runs AVX-512 there: 102-129 GMAC/s on the same thread (
 machine). Small products stay with torch: below ``ONEDNN_MIN_MACS`` multiply-adds oneDNN's per-call cost wins
 (``64^3``: 0.006 against 0.012 ms).
 
+On a CPU without AVX-512 (torch's CPU capability ``AVX2``) both libraries run the same AVX2 instructions and MKL's
+kernels were the faster ones on the shapes that matter (a 2-core AMD EPYC Zen 3, one thread: a direct layer's
+per-sample forward ``[96, 16] x [16, 12544]`` into its buffer 1.31 -> 0.94 ms, ``[1280, 320] x [320, 49]`` 1.06 ->
+0.65 ms; the Gram matrices' ``[576, 784] x [784, 576]`` 7.9 -> 7.3 ms), except a product summed over a long inner
+dimension with few outputs (the weight gradient ``[96, 12544] x [12544, 16]``: 0.80 against oneDNN's 0.62 ms). There
+the default policy (``auto``) keeps torch's product, and oneDNN's only where the inner size is at least
+``LONG_K_RATIO`` times the larger outer one.
+
 Only the fast finetune's training loops and the Gram matrices they are built from use this (their products are
 float32 sums in another order, the same to rounding; nothing exported is a product of this module's, and the
 exported integers are the trained weights' own quantization). The first call probes the operator once on a small
 product against ``torch.matmul``; a missing operator, a failed probe, a non-CPU tensor or ``QTORCH_ONNX_GEMM=torch``
-runs ``torch.matmul``.
+runs ``torch.matmul``; ``QTORCH_ONNX_GEMM=onednn`` sends every product from ``ONEDNN_MIN_MACS`` up to oneDNN whatever
+the CPU. The choice depends on the shape and the CPU only, so a product's bits are fixed for a given machine, shape
+and thread count.
 """
 from __future__ import annotations
 
@@ -23,12 +33,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["matmul_nt", "onednn_available", "ENV_SWITCH", "ONEDNN_MIN_MACS"]
+__all__ = ["matmul_nt", "onednn_available", "uses_onednn", "ENV_SWITCH", "ONEDNN_MIN_MACS", "LONG_K_RATIO"]
 
-#: ``QTORCH_ONNX_GEMM=torch`` keeps every product on ``torch.matmul`` (``onednn``, the default: oneDNN where it helps)
+#: ``QTORCH_ONNX_GEMM``: ``auto`` (the default: oneDNN where it was measured faster), ``onednn`` (oneDNN for every
+#: product from ``ONEDNN_MIN_MACS`` up) or ``torch`` (``torch.matmul`` for every product)
 ENV_SWITCH = "QTORCH_ONNX_GEMM"
 #: products of at least this many multiply-adds (``M N K``) go to oneDNN
 ONEDNN_MIN_MACS = 1 << 20
+#: on a CPU without AVX-512, oneDNN's product only where ``K >= LONG_K_RATIO * max(M, N)`` (measured on a Zen 3: K / max
+#: 22 and 130 faster with oneDNN, 3.3 and below faster with MKL)
+LONG_K_RATIO = 8
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -43,12 +57,17 @@ def onednn_available() -> bool:
         return _state["ok"]
     with _lock:
         if "ok" not in _state:
+            _state["policy"] = _policy()
             _state["ok"] = _probe()
     return _state["ok"]
 
 
+def _policy() -> str:
+    return os.environ.get(ENV_SWITCH, "auto").strip().lower()
+
+
 def _probe() -> bool:
-    if os.environ.get(ENV_SWITCH, "onednn").strip().lower() == "torch":
+    if _state.get("policy", _policy()) == "torch":
         return False
     try:
         if not torch.backends.mkldnn.is_available():
@@ -66,13 +85,26 @@ def _probe() -> bool:
         return False
 
 
+def uses_onednn(m: int, n: int, k: int) -> bool:
+    """Whether :func:`matmul_nt` computes a float32 CPU product of ``[m, k]`` by ``[k, n]`` with oneDNN: from
+    ``ONEDNN_MIN_MACS`` multiply-adds up where :func:`onednn_available`, and, with the default policy (``auto``) on a
+    CPU whose torch capability is ``AVX2`` (x86-64 without AVX-512), only where ``k >= LONG_K_RATIO * max(m, n)``."""
+    if m * n * k < ONEDNN_MIN_MACS or not onednn_available():
+        return False
+    if "avx2_only" not in _state:
+        try:
+            _state["avx2_only"] = torch.backends.cpu.get_cpu_capability() == "AVX2"
+        except Exception:  # an older torch without the query: oneDNN as before
+            _state["avx2_only"] = False
+    return not _state["avx2_only"] or _state["policy"] == "onednn" or k >= LONG_K_RATIO * max(m, n)
+
+
 def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``a @ b^T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` (float32; strided views allowed, e.g. a transposed
     ``[K, N]``): a new ``[M, N]`` float32 tensor, or ``out`` (``[M, N]``, float32) filled with it.
 
-    On a CPU, from ``ONEDNN_MIN_MACS`` multiply-adds up and when :func:`onednn_available`, oneDNN's product
-    (AVX-512 where the CPU has it; MKL's kernels behind ``torch.matmul`` run AVX2 on AMD processors); otherwise
-    ``torch.matmul``. The two differ by float rounding only (another summation order); each is deterministic for a
+    On a CPU, where :func:`uses_onednn` says so, oneDNN's product (AVX-512 where the CPU has it; MKL's kernels
+    behind ``torch.matmul`` run AVX2 on AMD processors); otherwise ``torch.matmul``. The two differ by float rounding only (another summation order); each is deterministic for a
     given shape and thread count.
 
     Raises:
@@ -81,7 +113,7 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = No
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"matmul_nt: needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if (a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and b.device.type == "cpu"
-            and a.shape[0] * a.shape[1] * b.shape[0] >= ONEDNN_MIN_MACS and onednn_available()):
+            and uses_onednn(a.shape[0], b.shape[0], a.shape[1])):
         y = torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
         if out is None:
             return y

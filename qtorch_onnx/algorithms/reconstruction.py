@@ -1276,7 +1276,8 @@ class DirectLayerLoss:
                           and tuple(module.dilation) == (1, 1))
         # a 1x1 stride-1 Conv2d on a CPU, on planes of POINTWISE_MIN_PLANE positions or more or of ONEDNN_MIN_MACS
         # multiply-adds per sample: one product per sample straight from the cached input's rows (gemm.matmul_nt, no
-        # batch copy), the output into one buffer reused every iteration. Torch's convolution of a small batch runs
+        # batch copy), the output into one buffer reused every iteration (gemm's backend per CPU: oneDNN's product
+        # with AVX-512, MKL's writing into the buffer with AVX2). Torch's convolution of a small batch runs
         # MKL's AVX2 product on AMD CPUs and allocates its output (page faults every call for a [2, 96, 112, 112]
         # output); [2, 512, 7, 7] -> 512 one thread, forward 0.58 -> 0.31 ms, weight gradient 0.45 -> 0.25 ms. On
         # 1x1 planes of small layers the convolution stays (a product per sample there is a matrix-vector one).

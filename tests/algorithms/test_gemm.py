@@ -42,13 +42,39 @@ def test_matmul_nt_switch_and_probe(monkeypatch):
 
 
 def test_matmul_nt_uses_onednn_where_it_can():
-    """On a torch with oneDNN (the x86-64 and aarch64 wheels) the probe passes and a large product is oneDNN's."""
+    """On a torch with oneDNN (the x86-64 and aarch64 wheels) the probe passes, and a large product is oneDNN's
+    where the policy picks it (every CPU for a long inner dimension; on AVX-512 CPUs for a square one), else
+    torch.matmul's, bit for bit."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     assert gemm.onednn_available()
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    want = torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-    assert torch.equal(gemm.matmul_nt(a, b), want)
+    op = torch.ops.mkldnn._linear_pointwise
+    for m, n, k in [(256, 256, 256), (96, 16, 12544)]:
+        a, b = torch.randn(m, k), torch.randn(n, k)
+        want = op(a, b, None, "none", [], "") if gemm.uses_onednn(m, n, k) else torch.matmul(a, b.t())
+        assert torch.equal(gemm.matmul_nt(a, b), want)
+    assert gemm.uses_onednn(96, 16, 12544)  # K >= LONG_K_RATIO max(M, N): oneDNN on any CPU
+    assert not gemm.uses_onednn(8, 8, 8)  # below ONEDNN_MIN_MACS
+
+
+@pytest.mark.parametrize("capability,policy,square,long_k", [
+    ("AVX2", "auto", False, True),     # no AVX-512: MKL's product, oneDNN's for a long inner dimension
+    ("AVX512", "auto", True, True),    # AVX-512: oneDNN's (MKL runs AVX2 on AMD CPUs)
+    ("AVX2", "onednn", True, True),    # QTORCH_ONNX_GEMM=onednn: oneDNN whatever the CPU
+    ("AVX512", "torch", False, False),  # QTORCH_ONNX_GEMM=torch: never
+])
+def test_uses_onednn_policy(monkeypatch, capability, policy, square, long_k):
+    """The backend follows the CPU's capability and QTORCH_ONNX_GEMM, read once per process."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv(gemm.ENV_SWITCH, policy)
+    monkeypatch.setattr(gemm, "_state", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert gemm.uses_onednn(256, 256, 256) is square
+    assert gemm.uses_onednn(96, 16, 96 * gemm.LONG_K_RATIO) is long_k
+    assert gemm.uses_onednn(96, 16, 96 * gemm.LONG_K_RATIO - 1) is (square and long_k)
+    monkeypatch.setenv(gemm.ENV_SWITCH, "auto" if policy != "auto" else "torch")  # read once: no change
+    assert gemm.uses_onednn(256, 256, 256) is square
 
 
 def test_matmul_nt_bad_shapes():
