@@ -1158,7 +1158,8 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
     if why is None:
         return None
     quad = QuadraticLayerLoss(layer.module, x, ld.target,
-                              train_bias=adaquant and s.update_bias and layer.bias is not None, sparse=sparse)
+                              train_bias=adaquant and s.update_bias and layer.bias is not None, sparse=sparse,
+                              fast_conv=True)
     return quad, why
 
 

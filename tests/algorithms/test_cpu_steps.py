@@ -215,6 +215,39 @@ def test_quadratic_loss_uses_the_depthwise_sums_and_agrees_with_im2col(monkeypat
     assert abs(quads[0].start_value() - quads[1].start_value()) == 0.0
 
 
+@pytest.mark.parametrize("kind", ["depthwise", "pointwise"])
+def test_quadratic_loss_fast_conv_residual(monkeypatch, kind):
+    """fast_conv=True takes the layer's own output from the staged pass's faster convolution (a depthwise or a 1x1
+    one on a large plane): the residual that pass gives the next layers, the module's to float rounding; the matrices
+    of X are the same bits; without fast_conv the route is not taken."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    monkeypatch.setattr(rc, "STAGED_DEPTHWISE_MIN_PLANE", 4)
+    monkeypatch.setattr(rc, "STAGED_POINTWISE_MIN_PLANE", 4)
+    gen = torch.Generator().manual_seed(9)
+    conv = torch.nn.Conv2d(12, 12, 3, padding=1, groups=12) if kind == "depthwise" else torch.nn.Conv2d(12, 20, 1)
+    x = torch.randn(6, 12, 9, 9, generator=gen)
+    with torch.no_grad():
+        y = conv(x)
+        target = y + 0.1 * torch.randn(y.shape, generator=gen)
+    calls = []
+    real = rc._staged_conv
+    monkeypatch.setattr(rc, "_staged_conv", lambda m, xs: calls.append(xs.shape[0]) or real(m, xs))
+    slow = rc.QuadraticLayerLoss(conv, x, target, train_bias=True)
+    assert calls == []
+    fast = rc.QuadraticLayerLoss(conv, x, target, train_bias=True, fast_conv=True)
+    assert sum(calls) == 6
+    assert torch.equal(fast.H, slow.H)
+    if kind == "pointwise":
+        assert torch.equal(fast.S, slow.S)
+    own = torch.stack([real(conv, x[i:i + 2])[j] for i in range(0, 6, 2) for j in range(2)])
+    with torch.no_grad():
+        r_fast = (target - own).reshape(6, conv.out_channels, -1).pow(2).sum((1, 2), dtype=torch.float64)
+    torch.testing.assert_close(fast.C, r_fast, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fast.G, slow.G, rtol=1e-4, atol=1e-5 * float(slow.G.abs().max()))
+    assert abs(fast.start_value() - slow.start_value()) <= 1e-5 * abs(slow.start_value())
+
+
 def test_fused_adam_step_matches_torch_adam():
     """The gradient passes that take Adam's step themselves (AdaRound's alpha, AdaQuant's weight) move the
     parameter as torch's Adam does on the same gradients, step after step, to float32 rounding."""
