@@ -1074,8 +1074,6 @@ static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const 
     }
 }
 
-/* the kernels with the common tap counts as constants (the tap loops unrolled, weights, offsets and the gradient's
- * lanes in registers) */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The forward on AVX2: blocks of eight output columns (one 256-bit vector), four blocks side by side in the plane's
  * block order (y, x0), rows mixed, so that even a 7- or 14-wide plane keeps four independent chains of multiply-adds;
@@ -1140,6 +1138,8 @@ DW_FORWARD8(dw_forward8_k25, 25, bcast8(w[i]))
 DW_FORWARD8(dw_forward8_any, k, bcast8(w[i]))
 #endif
 
+/* the kernels with the common tap counts as constants (the tap loops unrolled, weights, offsets and the gradient's
+ * lanes in registers) */
 __attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
                                                       int64_t sh, int64_t ho, int64_t wo, const float *w, float bias,
                                                       float *out) {

