@@ -673,6 +673,103 @@ void qt_act_sse(int64_t b0, int64_t b1, int64_t len, const float *pre, const flo
         sse[b] = act_sse_row(len, pre + b * len, target + idx[b] * len, lo, hi);
 }
 
+/* ------------------------------------------------------------------------ kept outputs (incremental) */
+/* DirectLayerLoss(incremental=True): every sample's outputs before the bias, p0 ([n, o, p]: conv(x, w0) of a 1x1
+ * convolution, w0 [o, c]), moved by a sparse change of the weight.
+ * qt_kept_diff: the entries where w (m = o c floats) differs from w0, in order: their flat indices into at[] and
+ * the differences w - w0 into d[] (at most cap of them), w0 set to w there. Returns how many differ; when that is
+ * more than cap, nothing is written past cap and w0 is left as it was (the caller recomputes p0). */
+int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t *at, float *d) {
+    int64_t k = 0;
+    for (int64_t q = 0; q < m; q++)
+        if (w[q] != w0[q]) {
+            if (k < cap) {
+                at[k] = q;
+                d[k] = w[q] - w0[q];
+            }
+            k++;
+        }
+    if (k <= cap)
+        for (int64_t j = 0; j < k; j++)
+            w0[at[j]] = w[at[j]];
+    return k;
+}
+
+/* qt_kept_update: for the samples s in [s0, s1) and the changed entries j = 0..k-1 (flat index at[j] = oi c + ci),
+ * in the order of j:  p0[s, oi, :] += d[j] x[s, ci, :]  (x: [n, c, p]). Repeated output channels add in that
+ * order: the same sums every run. */
+void qt_kept_update(int64_t s0, int64_t s1, int64_t o, int64_t c, int64_t p, int64_t k, const int64_t *at,
+                    const float *d, const float *x, float *p0) {
+    for (int64_t s = s0; s < s1; s++)
+        for (int64_t j = 0; j < k; j++) {
+            float *restrict dst = p0 + (s * o + at[j] / c) * p;
+            const float *restrict src = x + (s * c + at[j] % c) * p;
+            float dj = d[j];
+            for (int64_t q = 0; q < p; q++)
+                dst[q] += dj * src[q];
+        }
+}
+
+/* act_residual_row for a row of kept outputs: the pre-activation values are p0's row plus the bias of each channel
+ * (ch channels of plane floats; bias NULL: none), read from p0 and written as the output gradient into g, with
+ * gsum[c] (not NULL) the float64 sum of channel c's gradient (the bias gradient's terms). The 16 float64 lane
+ * sums run within each channel, a channel's tail (plane % 16) into one more sum. */
+__attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_t plane, const float *restrict p0,
+                                                             const float *restrict bias, float *restrict g,
+                                                             const float *restrict y, float lo, float hi, float wlo,
+                                                             float whi, float gscale, double *restrict gsum) {
+    double acc[16] = {0.0}, tail = 0.0;
+    for (int64_t c = 0; c < ch; c++) {
+        const float bv = bias ? bias[c] : 0.0f;
+        const float *restrict pc = p0 + c * plane, *restrict yc = y + c * plane;
+        float *restrict gc = g + c * plane;
+        double gs[16] = {0.0}, gt = 0.0;
+        int64_t q = 0;
+        for (; q + 16 <= plane; q += 16)
+            for (int t = 0; t < 16; t++) {
+                float x = bias ? pc[q + t] + bv : pc[q + t];
+                float a = x < lo ? lo : (x > hi ? hi : x);
+                float r = a - yc[q + t];
+                acc[t] += (double)r * (double)r;
+                float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+                float v = gscale * r * m;
+                gc[q + t] = v;
+                gs[t] += (double)v;
+            }
+        for (; q < plane; q++) {
+            float x = bias ? pc[q] + bv : pc[q];
+            float a = x < lo ? lo : (x > hi ? hi : x);
+            float r = a - yc[q];
+            tail += (double)r * (double)r;
+            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            float v = gscale * r * m;
+            gc[q] = v;
+            gt += (double)v;
+        }
+        if (gsum) {
+            for (int t = 0; t < 16; t++)
+                gt += gs[t];
+            gsum[c] = gt;
+        }
+    }
+    double total = tail;
+    for (int t = 0; t < 16; t++)
+        total += acc[t];
+    return total;
+}
+
+/* rows b in [b0, b1) of the mini-batch: the kept outputs p0[idx[b]] plus the bias against target[idx[b]] (each
+ * row ch * plane floats), the gradient into g's row b, sse[b] the row's sum, gsum[b * ch + c] (gsum not NULL) its
+ * channels' gradient sums */
+void qt_act_residual_kept(int64_t b0, int64_t b1, int64_t ch, int64_t plane, const float *p0, const float *bias,
+                          float *g, const float *target, const int64_t *idx, float lo, float hi, float wlo, float whi,
+                          float gscale, double *sse, double *gsum) {
+    int64_t len = ch * plane;
+    for (int64_t b = b0; b < b1; b++)
+        sse[b] = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias, g + b * len, target + idx[b] * len, lo,
+                                       hi, wlo, whi, gscale, gsum ? gsum + b * ch : NULL);
+}
+
 /* ------------------------------------------------------------------------------ small Gram-matrix layers */
 /* QuadraticLayerLoss.gradient in one call for small layers (a few torch operations' dispatch outweighs their
  * products there) and for AdaQuant's integer weights (dw sparse: the weight moves on its grid, and dw is zero where
@@ -1547,4 +1644,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 14; }
+int qt_cpu_steps_version(void) { return 16; }

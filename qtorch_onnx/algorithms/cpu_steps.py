@@ -41,7 +41,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 14
+_VERSION = 16
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -62,6 +62,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
     lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
     lib.qt_act_sse.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr]
+    lib.qt_kept_diff.argtypes = [i64, ptr, ptr, i64, ptr, ptr]
+    lib.qt_kept_diff.restype = i64
+    lib.qt_kept_update.argtypes = [i64] * 6 + [ptr] * 4
+    lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
     lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 7
@@ -81,7 +85,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct):
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_update,
+              lib.qt_act_residual_kept):
         f.restype = None
 
 
@@ -397,6 +402,50 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     native.split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
                                          float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
     return sse
+
+
+def kept_update(p0: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w0: torch.Tensor, cap: int) -> bool:
+    """Move kept 1x1-convolution outputs by a sparse weight change (``qt_kept_diff`` / ``qt_kept_update``,
+    DirectLayerLoss's ``incremental``): for the entries ``(o, c)`` where ``w`` differs from ``w0`` (contiguous
+    float32 ``[O, C]``, in row-major order), ``p0[:, o, :] += (w - w0)[o, c] * x[:, c, :]``, and ``w0`` takes
+    ``w``'s values there. ``p0``: contiguous float32 ``[N, O, P]``, updated in place; ``x``: contiguous float32
+    ``[N, C, P]``. Returns False, with nothing changed, when more than ``cap`` entries differ (the caller
+    recomputes ``p0``). Samples are split between torch's intra-op threads."""
+    n, o, p = p0.shape
+    c = x.shape[1]
+    at = torch.empty(max(cap, 1), dtype=torch.int64)
+    d = torch.empty(max(cap, 1), dtype=torch.float32)
+    lib = library()
+    k = int(lib.qt_kept_diff(o * c, w.data_ptr(), w0.data_ptr(), cap, at.data_ptr(), d.data_ptr()))
+    if k > cap:
+        return False
+    if k:
+        pool = _pool() if n > 1 and k * n * p >= PARALLEL_MIN else None
+        native.split(lib.qt_kept_update, n, pool,
+                     lambda i, a, b: (a, b, o, c, p, k, at.data_ptr(), d.data_ptr(), x.data_ptr(), p0.data_ptr()))
+    return True
+
+
+def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,
+                      target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float, gscale: float,
+                      channel_sums: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`act_residual` from kept outputs (``qt_act_residual_kept``): the pre-activation values of the rows
+    ``idx`` (contiguous int64 ``[B]``) are ``p0[idx] + bias`` (``p0`` contiguous float32 ``[N, O, P]``, read only;
+    ``bias`` float32 ``[O]`` or None), their output gradient goes into ``g`` (contiguous float32 ``[B, O, P]``),
+    ``target`` as there (``[N, O, P]``). Returns ``sum r^2`` per row (float64 ``[B]``) and, with ``channel_sums``,
+    each row's per-channel sums of the gradient (float64 ``[B, O]``: the bias gradient's), else None. Rows are
+    split between torch's intra-op threads."""
+    b = idx.numel()
+    o, p = p0.shape[1], p0.shape[2]
+    sse = torch.empty(b, dtype=torch.float64)
+    gsum = torch.empty(b, o, dtype=torch.float64) if channel_sums else None
+    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    pool = _pool() if b > 1 and g.numel() >= PARALLEL_MIN else None
+    native.split(library().qt_act_residual_kept, b, pool,
+                 lambda i, a, e: (a, e, o, p, p0.data_ptr(), _ptr(bias), g.data_ptr(), target.data_ptr(),
+                                  idx.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
+                                  sse.data_ptr(), _ptr(gsum)))
+    return sse, gsum
 
 
 def act_sse(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo: float, hi: float) -> torch.Tensor:

@@ -1205,7 +1205,13 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
         # weight quantizer's, which reading the weight brings up to date
         module.weight
         bias = module.bias.detach().clone() if getattr(module, "bias", None) is not None else None
-        direct = DirectLayerLoss(module, x, ld.target, clamp, bias)
+        # AdaQuant on an integer grid changes a few of the quantized weight's entries a step: every sample's output
+        # kept and moved by them (as much memory as the target, so not where the cached data goes to disk)
+        incremental = (s.optim_algorithm == "adaquant" and layer.weight_quantizer.fmt.family.integer_grid
+                       and s.mem_opt_level < 2 and x.shape[0] > s.batch_size)
+        direct = DirectLayerLoss(module, x, ld.target, clamp, bias, incremental=incremental)
+    if direct.incremental:
+        return direct, "direct loss (every sample's output kept and moved by the weight's changes, no autograd)"
     return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 

@@ -215,6 +215,10 @@ class LayerData:
 #: positions (torch's batched convolution of a large plane in NCHW is a fraction of that speed on a CPU:
 #: EfficientNet-Lite0's [16, 16, 112, 112] -> 96 channels 69 -> 34 ms, one thread)
 STAGED_POINTWISE_MIN_PLANE = 56 * 56
+#: DirectLayerLoss(incremental=True) recomputes its kept outputs for every sample when more than this fraction of
+#: the weight's entries changed in one step (moving them entry by entry, a memory-bound pass over every sample's
+#: input channel per entry, then costs about as much as the product)
+INCREMENTAL_MAX_CHANGED = 0.125
 #: ... and a depthwise convolution by cpu_steps' kernel from output planes of this many positions (torch's 39 -> 7 ms
 #: for [16, 96, 113, 113], 3x3 stride 2; below 28x28 torch's is as fast)
 STAGED_DEPTHWISE_MIN_PLANE = 28 * 28
@@ -1243,6 +1247,15 @@ class DirectLayerLoss:
     ``[2, 96, 112, 112]`` 1x1 convolution through a Clip on one CPU thread: 16.7 -> 3 ms per iteration.
     The caller checks it against autograd once (fast finetune's ``_direct_loss``).
 
+    ``incremental`` (a 1x1 Conv2d on a CPU, for AdaQuant on an integer grid): the outputs before the bias of every
+    sample, ``p0 = conv(x, w0)`` (``[N, O, H * W]``, as much memory as the target), are kept for the weight ``w0``
+    they were computed with, and each call moves them by the weight's change, ``p0[:, o] += (w - w0)[o, c] x[:, c]``
+    for the entries that changed. A quantized weight changes in 0.1-0.5 % of its entries an iteration
+    (EfficientNet-Lite0's expansion layers at AdaQuant's learning rate 1e-5), so this costs 1-4 % of the mini-batch's
+    product it replaces: the forward becomes a copy of two rows. The kept outputs are float32 sums in another order
+    than a fresh product (rounding-level differences); a change of more than ``INCREMENTAL_MAX_CHANGED`` of the
+    entries recomputes them.
+
     Args:
         module: the layer's torch module (:meth:`covers` says which).
         x: the cached quantized input ``[N, ...]``, float32. target: the float target ``[N, ...]`` (the
@@ -1250,13 +1263,16 @@ class DirectLayerLoss:
         clamp: ``(lo, hi, wlo, whi)`` from :func:`activation_clamp`.
         bias: the layer's quantized bias as the forward sees it while it is not trained (float32 ``[out]``), or
             None (no bias).
+        incremental: keep every sample's output and move it by the weight's changes (above); honoured for a 1x1
+            Conv2d on a CPU (``self.incremental`` says whether it is).
 
     Raises:
         ValueError: ``module`` / ``x`` / ``target`` not covered (check :meth:`covers` first).
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                 clamp: Tuple[float, float, float, float], bias: Optional[torch.Tensor]) -> None:
+                 clamp: Tuple[float, float, float, float], bias: Optional[torch.Tensor],
+                 incremental: bool = False) -> None:
         why = self.covers(module, x, target)
         if why is not None:
             raise ValueError(f"DirectLayerLoss: {why}")
@@ -1295,6 +1311,9 @@ class DirectLayerLoss:
                           and (plane >= POINTWISE_MIN_PLANE
                                or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
+        self.incremental = bool(incremental and self.pointwise)
+        self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
+        self._w0: Optional[torch.Tensor] = None  # [O, C]: the weight self._p0 holds the outputs of
 
     @staticmethod
     def covers(module: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Optional[str]:
@@ -1304,6 +1323,52 @@ class DirectLayerLoss:
         if x.dtype != torch.float32 or target.dim() < 2 or x.shape[0] != target.shape[0]:
             return "needs float32 inputs and a target with one row per sample"
         return _uncovered(module, x)
+
+    def _track(self, weight: torch.Tensor) -> torch.Tensor:
+        """Bring the kept outputs ``self._p0`` (``[N, O, H * W]``, no bias) to ``weight`` (float32 ``[O, C, 1, 1]``):
+        computed for every sample on the first call or when more than ``INCREMENTAL_MAX_CHANGED`` of the weight's
+        entries changed since the last, else moved by the changed entries only. Returns them."""
+        o, c = weight.shape[0], weight.shape[1]
+        w2 = weight.detach().reshape(o, c)
+        n, p = self.x.shape[0], math.prod(self.x.shape[2:])
+        xv = self.x.view(n, c, p)
+        cap = int(INCREMENTAL_MAX_CHANGED * o * c)
+        if self._p0 is not None and self.fused:
+            from . import cpu_steps
+
+            if cpu_steps.kept_update(self._p0, xv, w2.contiguous(), self._w0, cap):
+                return self._p0
+        elif self._p0 is not None:
+            changed = (w2 != self._w0).nonzero()
+            k = changed.shape[0]
+            if k <= cap:
+                oi, ci = changed.unbind(1)
+                new = w2[oi, ci]
+                # index_add_ adds in index order on a CPU (repeated output channels included): the same sums every
+                # run
+                self._p0.index_add_(1, oi, xv.index_select(1, ci).mul_((new - self._w0[oi, ci]).view(1, k, 1)))
+                self._w0[oi, ci] = new
+                return self._p0
+        if self._p0 is None:
+            self._p0 = torch.empty(n, o, p, dtype=torch.float32)
+        for i in range(n):
+            matmul_nt(w2, xv[i].t(), out=self._p0[i])
+        self._w0 = w2.clone()
+        return self._p0
+
+    def _forward_incremental(self, ids: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """:meth:`_forward` from the kept outputs (:meth:`_track`): their rows ``ids`` plus the bias, into the
+        reused buffer."""
+        p0 = self._track(weight)
+        shape = (ids.numel(),) + tuple(p0.shape[1:])
+        if self._out is None or self._out.shape != shape:
+            self._out = torch.empty(shape, dtype=torch.float32)
+        for j, i in enumerate(ids.tolist()):
+            if bias is None:
+                self._out[j].copy_(p0[i])
+            else:
+                torch.add(p0[i], bias.reshape(-1, 1), out=self._out[j])
+        return self._out.view(ids.numel(), p0.shape[1], *self.x.shape[2:]), None
 
     def _forward(self, ids: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         """``(pre, xb)``: the layer's output before the activation for the samples ``ids`` (contiguous float32;
@@ -1368,8 +1433,24 @@ class DirectLayerLoss:
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
                 m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None)
             return gw, gb, (sse * f if want_loss else None)
-        pre, xb = self._forward(ids, weight, self.bias if bias is None else bias)
-        sse, g = self._residual(pre, ids, 2.0 * f)
+        gb = None
+        if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
+            from . import cpu_steps
+
+            p0 = self._track(weight)
+            shape = (ids.numel(),) + tuple(p0.shape[1:])
+            if self._out is None or self._out.shape != shape:
+                self._out = torch.empty(shape, dtype=torch.float32)
+            rows, gsum = cpu_steps.act_residual_kept(p0, ids, self.bias if bias is None else bias, self._out,
+                                                     self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f,
+                                                     bias is not None)
+            sse, g, xb = rows.sum(), self._out, None
+            if gsum is not None:
+                gb = gsum.sum(0).to(torch.float32)
+        else:
+            forward = self._forward_incremental if self.incremental else self._forward
+            pre, xb = forward(ids, weight, self.bias if bias is None else bias)
+            sse, g = self._residual(pre, ids, 2.0 * f)
         if self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
             c, p = self.x.shape[1], g[0].numel() // g.shape[1]
             gw = None
@@ -1383,8 +1464,7 @@ class DirectLayerLoss:
         else:
             gw = torch.ops.aten.convolution_backward(g, xb, weight, None, *self.args[:3], False,
                                                      [0] * (xb.dim() - 2), self.args[3], [False, True, False])[1]
-        gb = None
-        if bias is not None:
+        if bias is not None and gb is None:
             gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
         return gw, gb, (sse * f if want_loss else None)
 
@@ -1425,9 +1505,11 @@ class DirectLayerLoss:
                                              m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
                                              self.wlo, self.whi, 0.0, False, grads=False)[2]
             return float(sse) / (len(ids) * self.denominator)
+        # incremental: every sample's outputs kept for the training that follows (the loss before finetuning)
+        forward = self._forward_incremental if self.incremental and idx is None else self._forward
         total = 0.0
         for a in range(0, len(ids), chunk):
             part = torch.tensor(ids[a:a + chunk], dtype=torch.int64)
-            pre, _ = self._forward(part, weight, bias)
+            pre, _ = forward(part, weight, bias)
             total += float(self._residual(pre, part, 0.0)[0])
         return total / (len(ids) * self.denominator)

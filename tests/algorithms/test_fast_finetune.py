@@ -1670,3 +1670,59 @@ def test_flip_density_follows_learning_rate_iterations_and_scale():
     big = ff._flip_density(layer, replace(s, learning_rate=1e3))
     assert 0.99 < big <= 1.0
     assert ff._flip_density(layer, replace(s, lr_adjust=(0.0, 1e-3))) > got
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("with_bias,train_bias", [(True, True), (True, False), (False, False)])
+def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fused, with_bias, train_bias):
+    """DirectLayerLoss(incremental=True) on a 1x1 Conv2d keeps every sample's output and moves it by the weight's
+    changes: over a run of sparse changes (a few entries, some on one output channel twice), no change, a dense
+    change (recomputed) and sparse ones again, its loss and gradients are the plain direct loss's to float
+    rounding, its kept outputs a fresh product's, and neither the input nor the target is modified."""
+    from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.algorithms.reconstruction import INCREMENTAL_MAX_CHANGED, DirectLayerLoss
+    from qtorch_onnx.lift.ops_math import OnnxClip
+    from qtorch_onnx.algorithms.reconstruction import activation_clamp
+
+    if fused and not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    monkeypatch.setenv(cpu_steps.ENV_SWITCH, "1" if fused else "0")
+    monkeypatch.setattr(cpu_steps, "_state", {})
+    gen = torch.Generator().manual_seed(3)
+    m = torch.nn.Conv2d(12, 10, 1, bias=with_bias)
+    x = torch.randn(6, 12, 9, 10, generator=gen)  # 90 positions: 16-lane blocks and a tail
+    clamp = activation_clamp(OnnxClip(0.0, 0.5, baked=True))
+    with torch.no_grad():
+        target = m(x).clamp(0.0, 0.5) + 0.05 * torch.randn(6, 10, 9, 10, generator=gen)
+    x0, t0 = x.clone(), target.clone()
+    bias = m.bias.detach().clone() if with_bias else None
+    inc = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    plain = DirectLayerLoss(m, x, target, clamp, bias)
+    assert inc.incremental and not plain.incremental and inc.pointwise and inc.fused == fused
+    assert inc.value() == pytest.approx(plain.value(), rel=1e-6)  # the loss before builds the kept outputs
+    w = m.weight.detach().clone()
+    b = bias.clone() if train_bias else None
+    cap = int(INCREMENTAL_MAX_CHANGED * 120)
+    changes = [[(0, 1), (0, 5), (7, 2)], [], [(3, 3), (3, 3), (9, 11)], "dense", [(5, 0)], [(2, 7), (2, 8)]]
+    for step, change in enumerate(changes):
+        if change == "dense":
+            w += 0.01 * torch.randn(w.shape, generator=gen)
+        else:
+            for o, c in change:
+                w[o, c, 0, 0] += 0.03
+        if b is not None:
+            b += 0.01
+        idx = [step % 6, (step + 2) % 6]
+        gi, gbi, li = inc.gradient(idx, w, 0.5, bias=b)
+        gp, gbp, lp = plain.gradient(idx, w, 0.5, bias=b)
+        assert float(li) == pytest.approx(float(lp), rel=1e-5)
+        torch.testing.assert_close(gi, gp, rtol=1e-4, atol=1e-6)
+        if b is not None:
+            torch.testing.assert_close(gbi, gbp, rtol=1e-4, atol=1e-6)
+        else:
+            assert gbi is None and gbp is None
+        fresh = torch.nn.functional.conv2d(x, w).reshape(6, 10, 90)
+        torch.testing.assert_close(inc._p0, fresh, rtol=1e-5, atol=1e-5)
+        assert torch.equal(inc._w0, w.reshape(10, 12))
+        assert len(change) <= cap if change != "dense" else True
+    assert torch.equal(x, x0) and torch.equal(target, t0)
