@@ -1324,6 +1324,13 @@ class DirectLayerLoss:
             return "needs float32 inputs and a target with one row per sample"
         return _uncovered(module, x)
 
+    def _buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
+        """The float32 buffer of ``shape`` reused between iterations (``self._out``; a new one when the shape
+        changes)."""
+        if self._out is None or self._out.shape != shape:
+            self._out = torch.empty(shape, dtype=torch.float32)
+        return self._out
+
     def _track(self, weight: torch.Tensor) -> torch.Tensor:
         """Bring the kept outputs ``self._p0`` (``[N, O, H * W]``, no bias) to ``weight`` (float32 ``[O, C, 1, 1]``):
         computed for every sample on the first call or when more than ``INCREMENTAL_MAX_CHANGED`` of the weight's
@@ -1360,9 +1367,7 @@ class DirectLayerLoss:
         """:meth:`_forward` from the kept outputs (:meth:`_track`): their rows ``ids`` plus the bias, into the
         reused buffer."""
         p0 = self._track(weight)
-        shape = (ids.numel(),) + tuple(p0.shape[1:])
-        if self._out is None or self._out.shape != shape:
-            self._out = torch.empty(shape, dtype=torch.float32)
+        self._buffer((ids.numel(),) + tuple(p0.shape[1:]))
         for j, i in enumerate(ids.tolist()):
             if bias is None:
                 self._out[j].copy_(p0[i])
@@ -1382,10 +1387,8 @@ class DirectLayerLoss:
                                                     m.padding, out=out)
             return self._out, None
         if self.pointwise:
-            shape = (ids.numel(), weight.shape[0], math.prod(self.x.shape[2:]))
-            if self._out is None or self._out.shape != shape:
-                self._out = torch.empty(shape, dtype=torch.float32)
-            return _pointwise_forward(self.x, ids.tolist(), weight, bias, out=self._out), None
+            out = self._buffer((ids.numel(), weight.shape[0], math.prod(self.x.shape[2:])))
+            return _pointwise_forward(self.x, ids.tolist(), weight, bias, out=out), None
         xb = self.x.index_select(0, ids.to(self.x.device))
         if self.linear:
             y = matmul_nt(xb.reshape(-1, xb.shape[-1]), weight)
@@ -1438,13 +1441,11 @@ class DirectLayerLoss:
             from . import cpu_steps
 
             p0 = self._track(weight)
-            shape = (ids.numel(),) + tuple(p0.shape[1:])
-            if self._out is None or self._out.shape != shape:
-                self._out = torch.empty(shape, dtype=torch.float32)
-            rows, gsum = cpu_steps.act_residual_kept(p0, ids, self.bias if bias is None else bias, self._out,
+            g = self._buffer((ids.numel(),) + tuple(p0.shape[1:]))
+            rows, gsum = cpu_steps.act_residual_kept(p0, ids, self.bias if bias is None else bias, g,
                                                      self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f,
                                                      bias is not None)
-            sse, g, xb = rows.sum(), self._out, None
+            sse, xb = rows.sum(), None
             if gsum is not None:
                 gb = gsum.sum(0).to(torch.float32)
         else:
