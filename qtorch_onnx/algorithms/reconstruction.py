@@ -272,11 +272,13 @@ def _elementwise_into(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
 
 
 @torch.no_grad()
-def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
+def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The output of ``module`` (a Conv2d with its own forward) on ``x`` (a float32 CPU batch, contiguous) for the
     staged forward passes by a faster route where one applies (a 1x1 convolution on a large plane: one oneDNN product
     per sample; a depthwise one: cpu_steps' kernel), else None (the module runs). The same convolution to float
-    rounding, not to the bit: the staged values are the algorithms' data, not what is exported."""
+    rounding, not to the bit: the staged values are the algorithms' data, not what is exported. ``out``: memory the
+    caller gives up (contiguous float32 ``[N, O, H * W]``), written by the 1x1 route when its shape fits (the same
+    bits as into a new tensor), else left alone."""
     if type(module).forward is not nn.Conv2d.forward or not isinstance(x, torch.Tensor) or x.dim() != 4 \
             or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[0] < 2 \
             or module.padding_mode != "zeros" or isinstance(module.padding, str) or tuple(module.dilation) != (1, 1):
@@ -285,8 +287,10 @@ def _staged_conv(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
     if module.groups == 1 and tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1) \
             and tuple(module.padding) == (0, 0) and h * w >= STAGED_POINTWISE_MIN_PLANE:
         bias = module.bias
+        fits = (out is not None and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+                and tuple(out.shape) == (n, module.out_channels, h * w))
         return _pointwise_forward(x, range(n), module.weight.to(torch.float32),
-                                  None if bias is None else bias.to(torch.float32))
+                                  None if bias is None else bias.to(torch.float32), out=out if fits else None)
     if module.groups == c == module.out_channels:
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
         if ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1) < STAGED_DEPTHWISE_MIN_PLANE:
@@ -424,11 +428,12 @@ class StagedExecutor:
         return self.chunk_dev[chunk] if self.const[name] else chunk
 
     def _run(self, interps: List[fx.Interpreter], env: Dict[str, List[Any]], node: fx.Node, chunk: int,
-             inplace: bool = False):
+             inplace: bool = False, out: Optional[torch.Tensor] = None):
         """``node`` for chunk ``chunk`` (a constant: for that chunk's device) on the graph module of the chunk's
         device. ``node`` is the given graph's node: a replica's interpreter runs it by its target, on the inputs
         put in its env under the same nodes. ``inplace``: ``node`` may overwrite its one input
-        (:meth:`_may_overwrite_input`) where :func:`_elementwise_into` computes it."""
+        (:meth:`_may_overwrite_input`) where :func:`_elementwise_into` computes it. ``out``: memory the caller
+        gives up, for :func:`_staged_conv`."""
         j = self.chunk_dev[chunk]
         if node.op == "placeholder":
             return self.chunks[chunk][self._placeholder_index[node.name]]
@@ -441,9 +446,9 @@ class StagedExecutor:
                 return out
         if self.fast_convs and node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
                 and node.args[0] in interp.env:
-            out = _staged_conv(interp.module.get_submodule(str(node.target)), interp.env[node.args[0]])
-            if out is not None:
-                return out
+            y = _staged_conv(interp.module.get_submodule(str(node.target)), interp.env[node.args[0]], out)
+            if y is not None:
+                return y
         return interp.run_node(node)
 
     def step(self, node: fx.Node, *, quantized: bool = True, float_too: bool = True) -> None:
@@ -697,12 +702,17 @@ class StagedExecutor:
             self.release_inputs(n, self.pos)
             self.pos += 1
 
-    def layer_output(self, node: fx.Node) -> List[Any]:
+    def layer_output(self, node: fx.Node, scratch: Optional[torch.Tensor] = None) -> List[Any]:
         """The quantized output of ``node`` (the executor stands at it) with the layer's current weights (its constant
         inputs recomputed first, as :meth:`finish_layer` does), one value per chunk on the chunk's device, stored
-        nowhere: :meth:`finish_layer` takes them while the weights stay as they were."""
+        nowhere: :meth:`finish_layer` takes them while the weights stay as they were. ``scratch``: memory the caller
+        gives up, written with the output where the staged 1x1 route computes it for the one chunk and the shape
+        fits (:func:`_staged_conv`; new memory costs page faults: EfficientNet-Lite0's [16, 96, 112, 112] output
+        is 77 MB)."""
         self._refresh_constants([node])
         with torch.no_grad():
+            if scratch is not None and len(self.chunks) == 1:
+                return [self._run(self._q_interps, self.q_env, node, 0, out=scratch)]
             return [self._run(self._q_interps, self.q_env, node, c) for c in range(len(self.chunks))]
 
     def finish_layer(self, node: fx.Node, outputs: Optional[Sequence[Any]] = None) -> None:
@@ -932,8 +942,11 @@ class QuadraticLayerLoss:
                 y0 = _staged_conv(module, xs) if fast_conv else None
                 rc = _target_rows(module, target[a:a + chunk].to(f32) - (own(xs) if y0 is None else y0).to(f32))
                 m = rc.shape[0]
-                h = torch.empty(m, g, k, k, dtype=f32, device=dev) if self._filled is None else None
-                gg = torch.empty(m, g, out // g, k, dtype=f32, device=dev)
+                # one product per sample (g == 1 on a CPU, below) writes straight into the rows of self._flat
+                into = fused is None and g == 1 and dev.type == "cpu"
+                h = (self.H[a:a + m] if into else torch.empty(m, g, k, k, dtype=f32, device=dev)) \
+                    if self._filled is None else None
+                gg = self.G[a:a + m] if into else torch.empty(m, g, out // g, k, dtype=f32, device=dev)
                 sv = torch.empty(m, g, k, dtype=f32, device=dev) if self.train_bias else None
                 if fused is not None:  # depthwise: sliding sums over the padded planes, no im2col (cpu_steps.c)
                     from . import cpu_steps
@@ -956,9 +969,10 @@ class QuadraticLayerLoss:
                         sv.copy_(xc.sum(-1))
                 if h is None:
                     self.H[a:a + m] = 0.0  # a row not filled is multiplied by zeros only
-                else:
+                elif not into:
                     self.H[a:a + m] = h
-                self.G[a:a + m] = gg
+                if not into:
+                    self.G[a:a + m] = gg
                 self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
                     self.S[a:a + m] = sv
@@ -1481,6 +1495,12 @@ class DirectLayerLoss:
         quantized weight and bias (the module's): what the forward path computes, as a new float32 tensor."""
         pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), *self._current())
         return pre.clone() if self.identity else pre.clamp(self.lo, self.hi)
+
+    def release_kept(self) -> Optional[torch.Tensor]:
+        """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
+        None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
+        p0, self._p0, self._w0 = self._p0, None, None
+        return p0
 
     @torch.no_grad()
     def loss_of(self, outputs: Sequence[torch.Tensor]) -> Optional[float]:

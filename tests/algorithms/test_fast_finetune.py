@@ -614,6 +614,42 @@ def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
     assert checked and not any(checked) and not any("direct loss" in r.note for r in recs)
 
 
+def test_direct_check_runs_on_a_crop_and_falls_back_to_the_whole_sample(monkeypatch):
+    """The direct loss's check runs a Conv2d taller than DIRECT_CHECK_ROWS on the first rows of sample 0 (16x16
+    planes: 8 rows), a shorter one on the whole sample; a crop the forward cannot take (an error) or that fails is
+    checked again on the whole sample, and the layer keeps its direct loss when that passes."""
+    import importlib
+
+    ff = importlib.import_module("qtorch_onnx.algorithms.fast_finetune")
+    orig = ff._direct_gradient_agrees_on
+    calls = []
+
+    def record(direct, fn, ld, steps, xb):
+        ok = orig(direct, fn, ld, steps, xb)
+        if xb.dim() == 4:  # (rows checked, rows of the layer's input, passed)
+            calls.append((xb.shape[2], next(iter(ld.q_inputs.values())).shape[2], ok))
+        return ok
+
+    monkeypatch.setattr(ff, "_direct_gradient_agrees_on", record)
+    recs = _finetuned_layers("adaquant", 5, quadratic_loss=False)
+    direct = [r.name for r in recs if "direct loss" in r.note]
+    assert {"conv1", "conv2", "conv3"} <= set(direct)
+    # conv1 and conv2 (16 rows) on 8, conv3 (8 rows) whole, each once and passing
+    assert sorted(calls) == [(8, 8, True), (8, 16, True), (8, 16, True)]
+    calls.clear()
+
+    def refuse_crops(direct, fn, ld, steps, xb):
+        if xb.dim() == 4 and xb.shape[2] < next(iter(ld.q_inputs.values())).shape[2]:
+            raise RuntimeError("a constant of the whole plane's shape")
+        return record(direct, fn, ld, steps, xb)
+
+    monkeypatch.setattr(ff, "_direct_gradient_agrees_on", refuse_crops)
+    again = _finetuned_layers("adaquant", 5, quadratic_loss=False)
+    assert [r.name for r in again if "direct loss" in r.note] == direct
+    assert [r.loss_after for r in again] == [r.loss_after for r in recs]  # the same training
+    assert sorted(calls) == [(8, 8, True), (16, 16, True), (16, 16, True)]  # whole samples
+
+
 def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
     """A Gram-matrix layer's losses before (the constant term) and after (the finished layer's outputs, the quadratic
     form beside them) equal the forward path's over all samples; a quadratic form that disagrees with the forward
@@ -1670,6 +1706,49 @@ def test_flip_density_follows_learning_rate_iterations_and_scale():
     big = ff._flip_density(layer, replace(s, learning_rate=1e3))
     assert 0.99 < big <= 1.0
     assert ff._flip_density(layer, replace(s, lr_adjust=(0.0, 1e-3))) > got
+
+
+def test_kept_outputs_take_the_finished_layers_output(monkeypatch):
+    """AdaQuant's incremental 1x1 loss gives its kept outputs' memory to the staged pass's output of the finished
+    layer (no new pages where activations are largest): the output is written there, and the training, the losses
+    and the exported model are the same bits as with new memory."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    monkeypatch.setattr(rc, "STAGED_POINTWISE_MIN_PLANE", 1)  # the staged 1x1 route on the small CNN's 8x8 conv3
+    written = []
+    orig_pw = rc._pointwise_forward
+
+    def pointwise(x, rows, weight, bias, out=None):
+        y = orig_pw(x, rows, weight, bias, out)
+        written.append(None if out is None else (out.data_ptr(), y.data_ptr()))
+        return y
+
+    monkeypatch.setattr(rc, "_pointwise_forward", pointwise)
+    released = []
+    orig_release = rc.DirectLayerLoss.release_kept
+
+    def release(self):
+        p0 = orig_release(self)
+        released.append(None if p0 is None else p0.data_ptr())
+        return p0
+
+    def run():
+        qm = _prepared("A8W8")
+        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=20, batch_size=2, progress=False,
+                      quadratic_loss=False)
+        return qm, [(r.name, r.loss_before, r.loss_after, r.note) for r in qm.finetune_report.layers]
+
+    monkeypatch.setattr(rc.DirectLayerLoss, "release_kept", release)
+    qm, kept = run()
+    assert any("every sample's output kept" in n for *_, n in kept)
+    ptrs = [p for p in released if p is not None]
+    assert ptrs and all((p, p) in written for p in ptrs)  # conv3's output written into its kept outputs
+    exported = onnx.helper.printable_graph(qo.export(qm, None).graph)
+    monkeypatch.setattr(rc.DirectLayerLoss, "release_kept", lambda self: None)
+    qm2, fresh = run()
+    assert fresh == kept
+    assert onnx.helper.printable_graph(qo.export(qm2, None).graph) == exported
 
 
 @pytest.mark.parametrize("fused", [True, False])
