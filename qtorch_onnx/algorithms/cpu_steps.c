@@ -781,11 +781,41 @@ void qt_act_residual_kept(int64_t b0, int64_t b1, int64_t ch, int64_t plane, con
  * The products accumulate along rows of H (vectorized along k), in the order of k, skipping the rows a zero of dw
  * multiplies: the same bits as every row added while H is finite (a zero times a finite value adds +-0, and a sum
  * that starts at +0 is never -0; the caller keeps non-finite Gram matrices off this path). Only the rows of H
- * some nonzero of dw multiplies are summed (cols: scratch for k + 1 int32 per group). sse (not NULL): the
+ * some nonzero of dw multiplies are summed (cols: scratch for k + 1 int32 per group, then k more). sse (not NULL): the
  * mini-batch's loss without its constant, dw^T H dw - 2 dw.G + 2 db dw.s + nl db^2 - 2 db Y (unscaled), in float64.
  * filled (not NULL: H computed lazily, QuadraticLayerLoss's sparse depthwise layers): 1 per row of H ([g k]) that
  * holds its values; returns 1, with R, gb and sse unwritten, when a nonzero of dw needs a row that does not (the
  * caller fills it and calls again), else 0. */
+/* r = sum_t d[nzi[t]] h[nzi[t], :] over the nz nonzeros of the row d, in the order of t (k floats; h: the group's
+ * H, k x k): each element's sum runs in that order, four rows of h per pass over r (r loaded and stored once per
+ * four), so the bits of adding one row at a time. */
+__attribute__((noinline)) static void sparse_row_product(int64_t k, float *restrict r, int32_t nz,
+                                                         const int32_t *restrict nzi, const float *restrict d,
+                                                         const float *restrict h) {
+    for (int64_t j = 0; j < k; j++)
+        r[j] = 0.0f;
+    int32_t t = 0;
+    for (; t + 4 <= nz; t += 4) {
+        const float a0 = d[nzi[t]], a1 = d[nzi[t + 1]], a2 = d[nzi[t + 2]], a3 = d[nzi[t + 3]];
+        const float *restrict h0 = h + (int64_t)nzi[t] * k, *restrict h1 = h + (int64_t)nzi[t + 1] * k;
+        const float *restrict h2 = h + (int64_t)nzi[t + 2] * k, *restrict h3 = h + (int64_t)nzi[t + 3] * k;
+        for (int64_t j = 0; j < k; j++) {
+            float x = r[j];
+            x += a0 * h0[j];
+            x += a1 * h1[j];
+            x += a2 * h2[j];
+            x += a3 * h3[j];
+            r[j] = x;
+        }
+    }
+    for (; t < nz; t++) {
+        const float a = d[nzi[t]];
+        const float *restrict h0 = h + (int64_t)nzi[t] * k;
+        for (int64_t j = 0; j < k; j++)
+            r[j] += a * h0[j];
+    }
+}
+
 int qt_gram_gradient(int64_t nids, const int64_t *ids, const float *flat, int64_t len, int64_t g, int64_t o,
                      int64_t k, const float *w, const float *w0, const float *b, const float *b0, float nl, float f2,
                      float *acc, float *dw, float *R, float *gb, int32_t *cols, const uint8_t *filled, double *sse) {
@@ -839,22 +869,20 @@ int qt_gram_gradient(int64_t nids, const int64_t *ids, const float *flat, int64_
     }
     const float *H = acc, *G = acc + hl, *S = G + g * o * k, *Y = S + g * k;
     double total = 0.0;
+    int32_t *nzi = cols + g * (k + 1); /* a row's nonzeros (k int32 after the columns' counts) */
     for (int64_t gi = 0; gi < g; gi++) {
         const int32_t *c = cols + gi * k;
         int32_t nc = ncols[gi];
         for (int64_t oi = 0; oi < o; oi++) {
             float *r = R + (gi * o + oi) * k;
             const float *d = dw + (gi * o + oi) * k, *gr = G + (gi * o + oi) * k;
-            for (int64_t j = 0; j < k; j++)
-                r[j] = 0.0f;
-            for (int32_t t = 0; t < nc; t++) {
-                float a = d[c[t]];
-                if (a == 0.0f)
-                    continue;
-                const float *h = H + (gi * k + c[t]) * k;
-                for (int64_t j = 0; j < k; j++)
-                    r[j] += a * h[j];
+            int32_t nz = 0;
+            for (int32_t t = 0; t < nc; t++) { /* the row's nonzeros, in column order, without branches */
+                int32_t cc = c[t];
+                nzi[nz] = cc;
+                nz += d[cc] != 0.0f;
             }
+            sparse_row_product(k, r, nz, nzi, d, H + gi * k * k);
             for (int64_t j = 0; j < k; j++)
                 r[j] -= gr[j];
             if (sse != NULL)
@@ -1644,4 +1672,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 16; }
+int qt_cpu_steps_version(void) { return 17; }

@@ -41,7 +41,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 16
+_VERSION = 17
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -273,8 +273,9 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
 
 def gram_scratch_size(length: int, groups: int, out: int, k: int) -> int:
     """The float32 elements of :func:`gram_gradient`'s ``scratch`` (and the fused iterations'): the summed rows
-    (``length``), ``dw`` (``out k``), then the used columns of H per group as int32 (``groups (k + 1)``)."""
-    return length + out * k + groups * (k + 1)
+    (``length``), ``dw`` (``out k``), then the used columns of H per group as int32 (``groups (k + 1)``) and a
+    row's nonzeros (``k`` int32)."""
+    return length + out * k + groups * (k + 1) + k
 
 
 def gram_scratch_parts(scratch: torch.Tensor, length: int, out: int, k: int) -> Tuple[int, int, int]:

