@@ -125,6 +125,10 @@ class AdaRoundStep:
         self._saved: Optional[Tuple[torch.Tensor, ...]] = None
         # the soft-quantized weight of alpha as the last fused Adam step left it (computed in that pass), or None
         self._next: Optional[torch.Tensor] = None
+        # the fused CPU loops: the sigmoids of alpha that the step computing _next kept (valid while _next was the
+        # weight of this iteration: nothing else changes alpha in between)
+        self._sig: Optional[torch.Tensor] = None
+        self._sig_valid = False
         # the fused CPU loops (cpu_steps.c) where they apply; :meth:`check` keeps them only if they agree with
         # the torch step
         self.layout = None
@@ -167,6 +171,14 @@ class AdaRoundStep:
                 self.layout = fused
         return True
 
+    def sigmoids(self) -> torch.Tensor:
+        """The fused CPU loops' buffer for the sigmoids of ``alpha`` (float32, contiguous, ``alpha``'s size): a
+        step that computes the next weight keeps them there, and the next step reads them instead of computing
+        them again (:func:`~qtorch_onnx.algorithms.cpu_steps.adaround_grad`)."""
+        if self._sig is None:
+            self._sig = torch.empty(self.alpha.numel(), dtype=torch.float32)
+        return self._sig
+
     @torch.no_grad()
     def weight(self) -> torch.Tensor:
         """The soft-quantized weight for the current ``alpha`` (float32, the weight's shape); keeps what
@@ -176,6 +188,7 @@ class AdaRoundStep:
 
             self._saved = ()
             nxt, self._next = self._next, None
+            self._sig_valid = nxt is not None
             if nxt is not None:  # the fused step's: the same bits, no pass
                 return nxt
             return cpu_steps.adaround_values(self.layout, self.alpha.detach(), self.floor, self.lo, self.hi)
@@ -226,8 +239,9 @@ class AdaRoundStep:
             nxt = torch.empty_like(self.alpha) if adam is not None else None
             self.alpha.grad = cpu_steps.adaround_grad(self.layout, self.alpha.detach(), self.floor, self.lo,
                                                       self.hi, grad_wq.contiguous(), beta, reg_param, adam=adam,
-                                                      next_values=nxt)
-            self._saved, self._next = None, nxt
+                                                      next_values=nxt, sig=self.sigmoids(),
+                                                      sig_valid=self._sig_valid)
+            self._saved, self._next, self._sig_valid = None, nxt, False
             return
         s, hr, h, c = self._saved
         # alpha's strides (a transposed MatMul weight's): optimizers expect a gradient laid out like its parameter

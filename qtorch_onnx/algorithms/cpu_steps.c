@@ -100,6 +100,21 @@ __attribute__((noinline)) static void adaround_values_row(int64_t n, const float
     }
 }
 
+/* adaround_values_row that also keeps each element's sigmoid in sig (the next gradient pass reads it instead of
+ * computing it again: the same bits) */
+__attribute__((noinline)) static void adaround_values_row_sig(int64_t n, const float *restrict alpha,
+                                                             const float *restrict fl, float scale, float zp,
+                                                             float lo, float hi, float *restrict out,
+                                                             float *restrict sig) {
+    for (int64_t i = 0; i < n; i++) {
+        float s = sigmoid_approx(alpha[i]);
+        sig[i] = s;
+        float h = clampf(s * (ZETA - GAMMA) + GAMMA, 0.0f, 1.0f);
+        float v = clampf(fl[i] + h + zp, lo, hi);
+        out[i] = (v - zp) * scale;
+    }
+}
+
 /* the end of the row segment that starts at element q: the end of q's row, or limit if that comes first */
 static inline int64_t segment_end(int64_t q, int64_t inner, int64_t limit) {
     int64_t end = (q / inner + 1) * inner;
@@ -109,17 +124,21 @@ static inline int64_t segment_end(int64_t q, int64_t inner, int64_t limit) {
 /* the soft-quantized weight of elements [e0, e1), row segment by row segment (each its channel's parameters) */
 static void adaround_values_range(int64_t e0, int64_t e1, int64_t channels, int64_t inner, const float *alpha,
                                   const float *fl, const float *scale, const float *zp, float lo, float hi,
-                                  float *out) {
+                                  float *out, float *sig) {
     for (int64_t q = e0; q < e1;) {
         int64_t end = segment_end(q, inner, e1), c = (q / inner) % channels;
-        adaround_values_row(end - q, alpha + q, fl + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q);
+        if (sig != NULL)
+            adaround_values_row_sig(end - q, alpha + q, fl + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q,
+                                    sig + q);
+        else
+            adaround_values_row(end - q, alpha + q, fl + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q);
         q = end;
     }
 }
 
 void qt_adaround_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *alpha,
                         const float *fl, const float *scale, const float *zp, float lo, float hi, float *out) {
-    adaround_values_range(r0 * inner, r1 * inner, channels, inner, alpha, fl, scale, zp, lo, hi, out);
+    adaround_values_range(r0 * inner, r1 * inner, channels, inner, alpha, fl, scale, zp, lo, hi, out, NULL);
 }
 
 /* Adam's update of one element (Kingma and Ba 2015, Algorithm 1, with torch.optim.Adam's arithmetic: the first
@@ -149,20 +168,35 @@ static inline float adam_update(float p, float g, float *m, float *v, float b1, 
  *      (adaround_values_row: the same bits as the values call), else g into out */
 #define ACH 256
 
+/* pass A's arithmetic from the sigmoid s of alpha */
+#define ADAROUND_PASS_A_BODY                                                                                           \
+        float hr = s * (ZETA - GAMMA) + GAMMA;                                                                         \
+        float h = clampf(hr, 0.0f, 1.0f);                                                                              \
+        float x = fl[i] + h + zp;                                                                                      \
+        float inside = (float)((x >= lo) & (x <= hi));                                                                 \
+        float rect = (float)(hr == h);                                                                                 \
+        t1[i] = gwq[i] * scale_dh * inside;                                                                            \
+        ds[i] = s * (1.0f - s) * rect;                                                                                 \
+        dd[i] = 2.0f * h - 1.0f;
+
+/* pass A with the sigmoids kept by the last values pass (adaround_values_row_sig) for this alpha */
+__attribute__((noinline)) static void adaround_pass_a_sig(int64_t n, const float *restrict sig,
+                                                         const float *restrict fl, float scale_dh, float zp, float lo,
+                                                         float hi, const float *restrict gwq, float *restrict t1,
+                                                         float *restrict ds, float *restrict dd) {
+    for (int64_t i = 0; i < n; i++) {
+        float s = sig[i];
+        ADAROUND_PASS_A_BODY
+    }
+}
+
 __attribute__((noinline)) static void adaround_pass_a(int64_t n, const float *restrict alpha, const float *restrict fl,
                                                      float scale_dh, float zp, float lo, float hi,
                                                      const float *restrict gwq, float *restrict t1,
                                                      float *restrict ds, float *restrict dd) {
     for (int64_t i = 0; i < n; i++) {
         float s = sigmoid_approx(alpha[i]);
-        float hr = s * (ZETA - GAMMA) + GAMMA;
-        float h = clampf(hr, 0.0f, 1.0f);
-        float x = fl[i] + h + zp;
-        float inside = (float)((x >= lo) & (x <= hi));
-        float rect = (float)(hr == h);
-        t1[i] = gwq[i] * scale_dh * inside;
-        ds[i] = s * (1.0f - s) * rect;
-        dd[i] = 2.0f * h - 1.0f;
+        ADAROUND_PASS_A_BODY
     }
 }
 
@@ -193,11 +227,13 @@ __attribute__((noinline)) static void adam_pass(int64_t n, float *restrict p, co
 
 /* dL/dalpha (plus reg times the regulariser's gradient at beta when reg != 0) into out; or, with the moments m / v
  * (not NULL), Adam's step on alpha in place (lr_c1 = lr / (1 - b1^t), inv_c2 = 1 / sqrt(1 - b2^t)), the gradient
- * never stored, and with next (not NULL) the new alpha's soft-quantized weight into next */
+ * never stored, and with next (not NULL) the new alpha's soft-quantized weight into next. sig (not NULL, alpha's
+ * size): with sig_valid, the sigmoids of the current alpha (kept by the last call's values pass), read instead of
+ * computed; with next, the new alpha's sigmoids are written there. The same bits either way. */
 void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *alpha, const float *fl,
                       const float *scale, const float *zp, float lo, float hi, const float *gwq, float beta,
                       float reg, float *out, float *m, float *v, float b1, float b2, float eps, float lr_c1,
-                      float inv_c2, float *next) {
+                      float inv_c2, float *next, float *sig, int64_t sig_valid) {
     float t1[ACH] __attribute__((aligned(64))), ds[ACH] __attribute__((aligned(64)));
     float dd[ACH] __attribute__((aligned(64))), g[ACH] __attribute__((aligned(64)));
     float p = beta - 1.0f, coef = -2.0f * beta * reg * (ZETA - GAMMA);
@@ -206,8 +242,12 @@ void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
         int64_t len = e1 - c0 < ACH ? e1 - c0 : ACH;
         for (int64_t q = c0; q < c0 + len;) { /* pass A by row segments: each row its channel's parameters */
             int64_t end = segment_end(q, inner, c0 + len), c = (q / inner) % channels;
-            adaround_pass_a(end - q, alpha + q, fl + q, scale[c] * (ZETA - GAMMA), zp ? zp[c] : 0.0f, lo, hi, gwq + q,
-                            t1 + (q - c0), ds + (q - c0), dd + (q - c0));
+            if (sig != NULL && sig_valid)
+                adaround_pass_a_sig(end - q, sig + q, fl + q, scale[c] * (ZETA - GAMMA), zp ? zp[c] : 0.0f, lo, hi,
+                                    gwq + q, t1 + (q - c0), ds + (q - c0), dd + (q - c0));
+            else
+                adaround_pass_a(end - q, alpha + q, fl + q, scale[c] * (ZETA - GAMMA), zp ? zp[c] : 0.0f, lo, hi,
+                                gwq + q, t1 + (q - c0), ds + (q - c0), dd + (q - c0));
             q = end;
         }
         float *gg = m != NULL ? g : out + c0;
@@ -218,8 +258,8 @@ void qt_adaround_grad(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
         if (m == NULL)
             continue;
         adam_pass(len, alpha + c0, g, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
-        if (next != NULL)
-            adaround_values_range(c0, c0 + len, channels, inner, alpha, fl, scale, zp, lo, hi, next);
+        if (next != NULL) /* (sig: this chunk's sigmoids were read above; the new alpha's replace them) */
+            adaround_values_range(c0, c0 + len, channels, inner, alpha, fl, scale, zp, lo, hi, next, sig);
     }
 }
 
@@ -1662,14 +1702,17 @@ typedef struct {
     float *m, *v;
     float b1, b2, eps, lr_c1, inv_c2;
     float *next;
+    float *sig;
+    int64_t sig_valid;
 } gram_adaround_args;
 
 void qt_gram_adaround_iteration(const gram_adaround_args *a) {
     qt_gram_gradient(a->nids, a->ids, a->flat, a->len, a->g, a->o, a->k, a->wq, a->w0, NULL, NULL, a->nl, a->f2,
                      a->acc, a->dw, a->R, NULL, a->cols, NULL, NULL);
     qt_adaround_grad(0, a->rows, a->channels, a->inner, a->alpha, a->floor, a->scale, a->zp, a->lo, a->hi, a->R,
-                     a->beta, a->reg, NULL, a->m, a->v, a->b1, a->b2, a->eps, a->lr_c1, a->inv_c2, a->next);
+                     a->beta, a->reg, NULL, a->m, a->v, a->b1, a->b2, a->eps, a->lr_c1, a->inv_c2, a->next, a->sig,
+                     a->sig_valid);
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 17; }
+int qt_cpu_steps_version(void) { return 18; }

@@ -41,7 +41,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 17
+_VERSION = 18
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -55,7 +55,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     rows = [i64, i64, i64, i64]
     lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
     adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
-    lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr]
+    lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr, ptr, i64]
     lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
@@ -178,7 +178,8 @@ class GramAdaRoundArgs(ctypes.Structure):
                 ("wq", _p), ("w0", _p), ("nl", _f), ("f2", _f), ("acc", _p), ("dw", _p), ("R", _p), ("cols", _p),
                 ("rows", _i), ("channels", _i), ("inner", _i), ("alpha", _p), ("floor", _p), ("scale", _p),
                 ("zp", _p), ("lo", _f), ("hi", _f), ("beta", _f), ("reg", _f), ("m", _p), ("v", _p),
-                ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("next", _p)]
+                ("b1", _f), ("b2", _f), ("eps", _f), ("lr_c1", _f), ("inv_c2", _f), ("next", _p), ("sig", _p),
+                ("sig_valid", _i)]
 
 
 def gram_adaround_iteration(args: GramAdaRoundArgs) -> None:
@@ -220,19 +221,24 @@ def adaround_values(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor,
 
 def adaround_grad(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor, qmin: float, qmax: float,
                   grad_wq: torch.Tensor, beta: Optional[float], reg_param: float, adam=None,
-                  next_values: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  next_values: Optional[torch.Tensor] = None, sig: Optional[torch.Tensor] = None,
+                  sig_valid: bool = False) -> Optional[torch.Tensor]:
     """``dL/dalpha`` (float32, ``alpha``'s shape) for ``grad_wq = dL/dwq`` (contiguous float32, the weight's
     shape) plus ``reg_param`` times the gradient of AdaRound's regulariser at ``beta`` (left out when ``beta``
     is None or ``reg_param`` is 0), as :meth:`AdaRoundStep.backward` computes it. With ``adam`` (an
     :class:`AdamMoments`): Adam's step on ``alpha`` in place from that gradient, in the same passes (returns None),
     and with ``next_values`` (contiguous float32, the weight's shape) the soft-quantized weight of the updated
     ``alpha`` written there while its chunk is in cache: the bits :func:`adaround_values` would give, without
-    another pass over memory. Computed in chunks of 256 elements, in three passes each (sigmoid, power, Adam)."""
+    another pass over memory. Computed in chunks of 256 elements, in three passes each (sigmoid, power, Adam).
+    ``sig`` (contiguous float32, ``alpha``'s size): with ``sig_valid``, the sigmoids of the current ``alpha`` kept by
+    the last call that wrote ``next_values`` (read instead of computed: the same bits); with ``next_values``, the
+    updated ``alpha``'s sigmoids are written there for the next call."""
     out = None if adam is not None else torch.empty_like(alpha)
     reg = float(reg_param) if beta is not None else 0.0
     _run(library().qt_adaround_grad, layout, alpha.data_ptr(), floor.data_ptr(), layout.scale.data_ptr(),
          _ptr(layout.zero_point), float(qmin), float(qmax), grad_wq.data_ptr(), float(beta or 0.0), reg, _ptr(out),
-         *_adam_args(adam), _ptr(next_values if adam is not None else None))
+         *_adam_args(adam), _ptr(next_values if adam is not None else None), _ptr(sig),
+         int(bool(sig_valid and sig is not None)))
     return out
 
 

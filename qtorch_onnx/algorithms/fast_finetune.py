@@ -914,6 +914,7 @@ class _FusedGramAdaRound(_FusedGram):
         alpha = step.alpha.detach()
         self.nexts = [torch.empty_like(alpha) for _ in range(2)]
         self.args.alpha, self.args.floor = alpha.data_ptr(), step.floor.data_ptr()
+        self.args.sig = step.sigmoids().data_ptr()  # shared with the step's own iterations
 
     def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
         """One iteration on the mini-batch ``idx`` (a list of sample indices), the regulariser at ``beta`` (None:
@@ -922,6 +923,7 @@ class _FusedGramAdaRound(_FusedGram):
 
         step, a = self.step, self.args
         wq, step._next = step._next, None
+        a.sig_valid = int(wq is not None)  # the sigmoids kept with the weight of this iteration
         if wq is None:
             wq = cpu_steps.adaround_values(step.layout, step.alpha.detach(), step.floor, step.lo, step.hi)
         dst = self.nexts[1] if self.nexts[0].data_ptr() == wq.data_ptr() else self.nexts[0]
@@ -930,7 +932,7 @@ class _FusedGramAdaRound(_FusedGram):
         a.beta, a.reg = float(beta or 0.0), (self.reg_param if beta is not None else 0.0)  # adaround_grad's
         self._moments(step.alpha)
         cpu_steps.gram_adaround_iteration(a)
-        step._next, step._saved = dst, None
+        step._next, step._saved, step._sig_valid = dst, None, False
 
 
 def _restore_layers(layers, saved) -> None:

@@ -436,9 +436,9 @@ def test_direct_loss_value_of_a_depthwise_layer_equals_the_forward_path():
 
 @pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((6, 1000), 0, False), ((50, 9), None, False)])
 def test_adaround_step_with_next_values(shape, axis, asymmetric):
-    """The gradient pass with Adam's step gives the same alpha and moments with or without the next values, and the
-    next values are the values call's bits for the updated alpha: rows shorter and longer than a chunk, rows that
-    straddle chunks, per channel (with zero points) and per tensor."""
+    """The gradient pass with Adam's step gives the same alpha and moments with or without the next values (and with
+    the sigmoids kept from step to step), and the next values are the values call's bits for the updated alpha: rows
+    shorter and longer than a chunk, rows that straddle chunks, per channel (with zero points) and per tensor."""
     from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
 
     gen = torch.Generator().manual_seed(3)
@@ -449,19 +449,24 @@ def test_adaround_step_with_next_values(shape, axis, asymmetric):
     floor = torch.floor(w / scale)
     layout = cpu_steps.RowLayout.of(alpha, scale, zp, axis)
     results = []
-    for with_next in (False, True):
+    # without the next values; with them; with them and the sigmoids kept between steps (read from the second on)
+    for with_next, keep in ((False, False), (True, False), (True, True)):
         a = alpha.clone()
         opt = _FusedAdam([a], 1e-2)
         nxt = torch.full(shape, float("nan")) if with_next else None
-        for beta in (None, 7.5):
+        sig = torch.full((a.numel(),), float("nan")) if keep else None
+        for i, beta in enumerate((None, 7.5, 7.5)):
             cpu_steps.adaround_grad(layout, a, floor, -128, 127, gwq, beta, 0.01, adam=opt.fused_moments(a),
-                                    next_values=nxt)
+                                    next_values=nxt, sig=sig, sig_valid=keep and i > 0)
             if with_next:
                 ref = cpu_steps.adaround_values(layout, a, floor, -128, 127)
                 assert torch.equal(nxt.view(torch.int32), ref.view(torch.int32))
+            if keep:  # the updated alpha's sigmoids, as the values pass computes them
+                assert bool(torch.isfinite(sig).all())
         results.append((a, *opt.state[id(a)][:2]))
-    for x, y in zip(*results):
-        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
 @pytest.mark.parametrize("shape,axis,asymmetric", [((300, 37), 0, True), ((50, 9), None, False)])
