@@ -1179,7 +1179,7 @@ DIRECT_CHECK_RTOL_OUTPUT = 1e-4
 DIRECT_CHECK_RTOL_GRAD = 1e-3
 DIRECT_CHECK_RTOL_LOSS = 1e-4
 #: the check runs a Conv2d on this many input rows of the first sample where its plane has more (the formulas do
-#: not depend on the plane's height, the cost does: EfficientNet-Lite0's checks 0.39 -> 0.15 s of AdaQuant 50); a
+#: not depend on the plane's height, the cost does: EfficientNet-Lite0's checks 0.39 -> 0.17 s of AdaQuant 50); a
 #: crop that fails is checked again on the whole sample
 DIRECT_CHECK_ROWS = 8
 

@@ -836,7 +836,8 @@ def _sum_squares_of_difference(y: torch.Tensor, target: torch.Tensor, start: int
     ``target``'s."""
     from . import cpu_steps
 
-    if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != target.shape[1:] or y.device != target.device:
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != target.shape[1:] \
+            or y.device != target.device:
         return None
     ids = torch.arange(start, start + y.shape[0], dtype=torch.int64)
     return cpu_steps.act_sse(y, target, ids, -math.inf, math.inf)
