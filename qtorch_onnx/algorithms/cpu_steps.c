@@ -89,30 +89,33 @@ static inline float log2_approx(float x) {
 static inline float sigmoid_approx(float a) { return 1.0f / (1.0f + exp2_approx(-1.44269504089f * a)); }
 
 /* ------------------------------------------------------------------------------------------------ AdaRound */
-__attribute__((noinline)) static void adaround_values_row(int64_t n, const float *restrict alpha,
-                                                         const float *restrict fl, float scale, float zp, float lo,
-                                                         float hi, float *restrict out) {
+/* the soft-quantized weight of n elements; with keep, each element's sigmoid kept in sig too (the next gradient
+ * pass reads it instead of computing it again: the same bits). keep is a constant in each caller below, so each gets
+ * its own vector loop. */
+static inline __attribute__((always_inline)) void adaround_values_body(int64_t n, const float *restrict alpha,
+                                                                       const float *restrict fl, float scale,
+                                                                       float zp, float lo, float hi,
+                                                                       float *restrict out, float *restrict sig,
+                                                                       const int keep) {
     for (int64_t i = 0; i < n; i++) {
         float s = sigmoid_approx(alpha[i]);
+        if (keep)
+            sig[i] = s;
         float h = clampf(s * (ZETA - GAMMA) + GAMMA, 0.0f, 1.0f);
         float v = clampf(fl[i] + h + zp, lo, hi);
         out[i] = (v - zp) * scale;
     }
 }
 
-/* adaround_values_row that also keeps each element's sigmoid in sig (the next gradient pass reads it instead of
- * computing it again: the same bits) */
-__attribute__((noinline)) static void adaround_values_row_sig(int64_t n, const float *restrict alpha,
-                                                             const float *restrict fl, float scale, float zp,
-                                                             float lo, float hi, float *restrict out,
-                                                             float *restrict sig) {
-    for (int64_t i = 0; i < n; i++) {
-        float s = sigmoid_approx(alpha[i]);
-        sig[i] = s;
-        float h = clampf(s * (ZETA - GAMMA) + GAMMA, 0.0f, 1.0f);
-        float v = clampf(fl[i] + h + zp, lo, hi);
-        out[i] = (v - zp) * scale;
-    }
+__attribute__((noinline)) static void adaround_values_row(int64_t n, const float *alpha, const float *fl, float scale,
+                                                         float zp, float lo, float hi, float *out) {
+    adaround_values_body(n, alpha, fl, scale, zp, lo, hi, out, NULL, 0);
+}
+
+__attribute__((noinline)) static void adaround_values_row_sig(int64_t n, const float *alpha, const float *fl,
+                                                             float scale, float zp, float lo, float hi, float *out,
+                                                             float *sig) {
+    adaround_values_body(n, alpha, fl, scale, zp, lo, hi, out, sig, 1);
 }
 
 /* the end of the row segment that starts at element q: the end of q's row, or limit if that comes first */
@@ -168,36 +171,35 @@ static inline float adam_update(float p, float g, float *m, float *v, float b1, 
  *      (adaround_values_row: the same bits as the values call), else g into out */
 #define ACH 256
 
-/* pass A's arithmetic from the sigmoid s of alpha */
-#define ADAROUND_PASS_A_BODY                                                                                           \
-        float hr = s * (ZETA - GAMMA) + GAMMA;                                                                         \
-        float h = clampf(hr, 0.0f, 1.0f);                                                                              \
-        float x = fl[i] + h + zp;                                                                                      \
-        float inside = (float)((x >= lo) & (x <= hi));                                                                 \
-        float rect = (float)(hr == h);                                                                                 \
-        t1[i] = gwq[i] * scale_dh * inside;                                                                            \
-        ds[i] = s * (1.0f - s) * rect;                                                                                 \
-        dd[i] = 2.0f * h - 1.0f;
-
-/* pass A with the sigmoids kept by the last values pass (adaround_values_row_sig) for this alpha */
-__attribute__((noinline)) static void adaround_pass_a_sig(int64_t n, const float *restrict sig,
-                                                         const float *restrict fl, float scale_dh, float zp, float lo,
-                                                         float hi, const float *restrict gwq, float *restrict t1,
-                                                         float *restrict ds, float *restrict dd) {
+/* pass A from alpha, or with use_sig from the sigmoids of alpha kept by the last values pass (adaround_values_row_sig),
+ * read instead of computed; use_sig is a constant in each caller below, so each gets its own vector loop */
+static inline __attribute__((always_inline)) void adaround_pass_a_body(
+    int64_t n, const float *restrict alpha, const float *restrict sig, const float *restrict fl, float scale_dh,
+    float zp, float lo, float hi, const float *restrict gwq, float *restrict t1, float *restrict ds,
+    float *restrict dd, const int use_sig) {
     for (int64_t i = 0; i < n; i++) {
-        float s = sig[i];
-        ADAROUND_PASS_A_BODY
+        float s = use_sig ? sig[i] : sigmoid_approx(alpha[i]);
+        float hr = s * (ZETA - GAMMA) + GAMMA;
+        float h = clampf(hr, 0.0f, 1.0f);
+        float x = fl[i] + h + zp;
+        float inside = (float)((x >= lo) & (x <= hi));
+        float rect = (float)(hr == h);
+        t1[i] = gwq[i] * scale_dh * inside;
+        ds[i] = s * (1.0f - s) * rect;
+        dd[i] = 2.0f * h - 1.0f;
     }
 }
 
-__attribute__((noinline)) static void adaround_pass_a(int64_t n, const float *restrict alpha, const float *restrict fl,
-                                                     float scale_dh, float zp, float lo, float hi,
-                                                     const float *restrict gwq, float *restrict t1,
-                                                     float *restrict ds, float *restrict dd) {
-    for (int64_t i = 0; i < n; i++) {
-        float s = sigmoid_approx(alpha[i]);
-        ADAROUND_PASS_A_BODY
-    }
+__attribute__((noinline)) static void adaround_pass_a(int64_t n, const float *alpha, const float *fl, float scale_dh,
+                                                     float zp, float lo, float hi, const float *gwq, float *t1,
+                                                     float *ds, float *dd) {
+    adaround_pass_a_body(n, alpha, NULL, fl, scale_dh, zp, lo, hi, gwq, t1, ds, dd, 0);
+}
+
+__attribute__((noinline)) static void adaround_pass_a_sig(int64_t n, const float *sig, const float *fl,
+                                                         float scale_dh, float zp, float lo, float hi,
+                                                         const float *gwq, float *t1, float *ds, float *dd) {
+    adaround_pass_a_body(n, NULL, sig, fl, scale_dh, zp, lo, hi, gwq, t1, ds, dd, 1);
 }
 
 __attribute__((noinline)) static void adaround_pass_b_reg(int64_t n, const float *restrict t1, const float *restrict ds,

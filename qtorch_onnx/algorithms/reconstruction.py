@@ -711,9 +711,9 @@ class StagedExecutor:
         is 77 MB)."""
         self._refresh_constants([node])
         with torch.no_grad():
-            if scratch is not None and len(self.chunks) == 1:
-                return [self._run(self._q_interps, self.q_env, node, 0, out=scratch)]
-            return [self._run(self._q_interps, self.q_env, node, c) for c in range(len(self.chunks))]
+            one = len(self.chunks) == 1
+            return [self._run(self._q_interps, self.q_env, node, c, out=scratch if one else None)
+                    for c in range(len(self.chunks))]
 
     def finish_layer(self, node: fx.Node, outputs: Optional[Sequence[Any]] = None) -> None:
         """Recompute the quantized output of ``node`` with its finetuned weights (its constant inputs too: a weight
@@ -827,20 +827,6 @@ def _own_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     if kind is nn.Linear.forward:
         return lambda x: torch.nn.functional.linear(x, weight, bias)
     return lambda x: module._conv_forward(x, weight, bias)
-
-
-def _sum_squares_of_difference(y: torch.Tensor, target: torch.Tensor, start: int) -> Optional[torch.Tensor]:
-    """``sum (y - target[start + i])^2`` per sample ``i`` (float64 ``[m]``) for ``y`` (float32 ``[m, ...]``, the
-    layer's output for samples ``start .. start + m - 1``) and ``target`` (contiguous float32 ``[N, ...]``): one C
-    pass (``cpu_steps.act_sse`` without bounds), or None where ``y`` is not contiguous or its rows are not
-    ``target``'s."""
-    from . import cpu_steps
-
-    if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[1:] != target.shape[1:] \
-            or y.device != target.device:
-        return None
-    ids = torch.arange(start, start + y.shape[0], dtype=torch.int64)
-    return cpu_steps.act_sse(y, target, ids, -math.inf, math.inf)
 
 
 def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
@@ -980,10 +966,10 @@ class QuadraticLayerLoss:
                 ours = y0 is not None or own is not module
                 y0 = (own(xs) if y0 is None else y0).to(f32)
                 tc = target[a:a + chunk].to(f32)
-                # the constant term sum r^2 per sample: one read-only C pass over the output and the target (float64
-                # sums, as the losses after: output_sse) where it applies, and the residual then into the output's
-                # memory (t - y, the same bits as a new tensor's)
-                csum = _sum_squares_of_difference(y0, target, a) if cpu_fused and ours else None
+                # the constant term sum r^2 per sample as the losses after compute it (output_sse: one read-only C
+                # pass over the output and the target, float64 sums) where the C library is there, and the residual
+                # then into the output's memory (t - y, the same bits as a new tensor's)
+                csum = output_sse([y0], target[a:a + y0.shape[0]]) if cpu_fused and ours else None
                 rc = _target_rows(module, torch.sub(tc, y0, out=y0) if csum is not None else tc - y0)
                 m = rc.shape[0]
                 # one product per sample (g == 1 on a CPU, below) writes straight into the rows of self._flat
