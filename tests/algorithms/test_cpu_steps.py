@@ -733,3 +733,20 @@ def test_plan_counts_the_products_a_sparse_dw_skips():
     x, t = torch.zeros(16, 512, 7, 7), torch.zeros(16, 512, 7, 7)
     assert QuadraticLayerLoss.plan(m, x, t, 50, 2) is None
     assert QuadraticLayerLoss.plan(m, x, t, 50, 2, density=0.002) is not None
+
+
+def test_plan_counts_the_reads_of_a_gram_matrix_that_outgrows_the_caches(monkeypatch):
+    """QuadraticLayerLoss.plan on a CPU: an iteration reads each mini-batch sample's H, memory-bound once H exceeds
+    GRAM_CACHE_BYTES (GRAM_READ_COST multiply-adds a float). EfficientNet-Lite0's 1152 -> 320 1x1 on 7x7 under
+    AdaQuant (few weights flip) trains by forward passes for it (measured faster), and counted as one multiply-add a
+    float it would not; a layer whose H fits the caches is unaffected."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    big = torch.nn.Conv2d(1152, 320, 1)
+    x, t = torch.zeros(16, 1152, 7, 7), torch.zeros(16, 320, 7, 7)
+    assert rc.QuadraticLayerLoss.plan(big, x, t, 50, 2, density=0.003) is None
+    small = torch.nn.Conv2d(96, 24, 1)
+    xs, ts = torch.zeros(16, 96, 56, 56), torch.zeros(16, 24, 56, 56)
+    assert rc.QuadraticLayerLoss.plan(small, xs, ts, 50, 2, density=0.003) is not None
+    monkeypatch.setattr(rc, "GRAM_READ_COST", 1.0)
+    assert rc.QuadraticLayerLoss.plan(big, x, t, 50, 2, density=0.003) is not None
