@@ -1493,6 +1493,19 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
     }
 }
 
+/* phase_plane for the planes p in [p0, p1) of x ([N, c, h, w], p = n c + ch) into out[p] (sw hp wq + VL floats each,
+ * the last VL zero): qt_depthwise_direct's phases of every sample, once per layer instead of once per plane and
+ * iteration */
+void qt_depthwise_phase_prepare(int64_t p0, int64_t p1, const float *x, int64_t h, int64_t w, int64_t ph, int64_t pw,
+                                int64_t sh, int64_t sw, float *out) {
+    int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, phased = sw * hp * wq + VL;
+    (void)sh;
+    for (int64_t p = p0; p < p1; p++) {
+        phase_plane(x + p * h * w, h, w, ph, pw, hp, sw, wq, out + p * phased);
+        __builtin_memset(out + p * phased + sw * hp * wq, 0, VL * sizeof(float));
+    }
+}
+
 /* The direct layer loss of a depthwise convolution through a clamp in one pass per plane (DirectLayerLoss.gradient):
  * for channels ch in [c0, c1) and each of the nb samples idx[b], the plane's padded phases (phase_plane, once), its
  * output (dw_forward_plane) into `plane` (ho wo floats, in cache), the residual and output gradient in place
@@ -1501,13 +1514,16 @@ void qt_depthwise_wgrad(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int
  * wgrad calls' arithmetic, plane for plane: gw the same bits (the samples summed in order per channel), g the same
  * floats; gb[ch] = sum of g over the channel's planes in float64 (not torch's float32 sum), sse[ch] = sum r^2
  * (float64). gb NULL: not computed; gw NULL: neither gradient, the loss alone (no weight-gradient pass). scratch
- * and tot as qt_depthwise_wgrad's. */
+ * and tot as qt_depthwise_wgrad's. phases: every plane of x already split into its phases, [N][c][sw hp wq + VL]
+ * (phase_plane's layout, its last VL floats zero; qt_depthwise_phase_prepare), read instead of phase_plane per call
+ * (the same values: the same bits), or NULL. */
 void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int64_t *idx, const float *x, int64_t h,
                          int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                          int64_t wo, const float *weight, const float *bias, const float *target, float lo, float hi,
                          float wlo, float whi, float gscale, float *gw, float *gb, double *sse, float *scratch,
-                         float *plane, double *tot) {
+                         float *plane, double *tot, const float *phases) {
     int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw, len = ho * wo;
+    int64_t phased = sw * hp * wq + VL; /* floats per plane of `phases` */
     int64_t off[k];
     tap_offsets(kh, kw, sw, hp, wq, off);
     for (int64_t ch = c0; ch < c1; ch++) {
@@ -1515,11 +1531,15 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             tot[i] = 0.0;
         double total = 0.0, gsum = 0.0;
         for (int64_t b = 0; b < nb; b++) {
-            phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
-            dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
+            const float *pp = scratch;
+            if (phases != NULL)
+                pp = phases + (idx[b] * c + ch) * phased;
+            else
+                phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+            dw_forward_plane(pp, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
             total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale);
             if (gw != NULL)
-                dw_wgrad_plane(scratch, wq, k, off, sh, ho, wo, plane, tot);
+                dw_wgrad_plane(pp, wq, k, off, sh, ho, wo, plane, tot);
             if (gb != NULL) {
                 double acc[8] = {0.0};
                 int64_t q = 0;
@@ -1685,6 +1705,24 @@ static void dwb_wgrad_8(const float *restrict xs, const int64_t *restrict off, i
 }
 #endif
 
+/* qt_depthwise_direct_blocked's xs and ts of every sample: for the (sample, block) pairs q in [q0, q1) of n x
+ * ceil(c / GB), the block's zero-padded planes interleaved into xs_all[q] (hp wp GB floats) and its target rows into
+ * ts_all[q] (ho wo GB floats; channels past c zero), as the kernel interleaves them per call */
+void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float *x, int64_t h, int64_t w,
+                                  int64_t ph, int64_t pw, const float *target, int64_t len, float *xs_all,
+                                  float *ts_all) {
+    int64_t hp = h + 2 * ph, wp = w + 2 * pw, plane = h * w, nblk = (c + GB - 1) / GB;
+    for (int64_t q = q0; q < q1; q++) {
+        int64_t n = q / nblk, c0 = (q % nblk) * GB, cn = c - c0 < GB ? c - c0 : GB;
+        float *xs = xs_all + q * hp * wp * GB;
+        __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
+        const float *src = x + (n * c + c0) * plane;
+        for (int64_t r = 0; r < h; r++)
+            interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+        interleave(ts_all + q * len * GB, target + (n * c + c0) * len, len, len, cn);
+    }
+}
+
 /* qt_depthwise_direct with GB channels per vector instead of VL output columns, for small planes (a 7 x 7 output
  * fills 7 of 16 lanes per plane row there, and each plane pays its own padded copy and lane sums). Per block of GB
  * channels and sample: the zero-padded planes interleaved (xs: hp wp columns of GB floats; the border zeroed once per
@@ -1696,20 +1734,25 @@ static void dwb_wgrad_8(const float *restrict xs, const int64_t *restrict off, i
  * p, r and g are qt_depthwise_direct's bits; gw, gb and sse are sums of the same terms in another order (float
  * rounding apart). Work items: blocks [q0, q1) of ceil(c / GB). Scratch (floats): xs hp wp GB, ts ho wo GB, wb k GB,
  * prow ho wo GB (the plane's outputs, then its output gradient); tot: (k + 2) GB doubles. gw NULL: the loss alone;
- * gb NULL: no bias gradient. */
+ * gb NULL: no bias gradient. xs_all / ts_all (both or neither): every sample's planes and target rows already in
+ * that layout, [N][ceil(c / GB)][hp wp GB] and [N][ceil(c / GB)][ho wo GB] (qt_depthwise_blocked_prepare), read
+ * instead of interleaved per call (the same values, so the same bits; xs and ts unused then). */
 void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, const int64_t *idx, const float *x,
                                  int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh,
                                  int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
                                  const float *target, float lo, float hi, float wlo, float whi, float gscale, float *gw,
-                                 float *gb, double *sse, float *xs, float *ts, float *wb, float *prow, double *tot) {
+                                 float *gb, double *sse, float *xs, float *ts, float *wb, float *prow, double *tot,
+                                 const float *xs_all, const float *ts_all) {
     int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
+    int64_t nblk = (c + GB - 1) / GB;
     int64_t off[k];
     for (int64_t a = 0; a < kh; a++)
         for (int64_t b = 0; b < kw; b++)
             off[a * kw + b] = (a * wp + b) * GB;
     void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, float *) =
         k == 9 ? dwb_forward_k9 : (k == 25 ? dwb_forward_k25 : dwb_forward_any);
-    __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
+    if (xs_all == NULL)
+        __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
     double *gtot = tot, *ssel = tot + k * GB, *gsl = ssel + GB;
     for (int64_t q = q0; q < q1; q++) {
         int64_t c0 = q * GB, cn = c - c0 < GB ? c - c0 : GB;
@@ -1723,19 +1766,25 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
         for (int64_t j = 0; j < (k + 2) * GB; j++)
             tot[j] = 0.0;
         for (int64_t b = 0; b < nb; b++) {
-            const float *src = x + (idx[b] * c + c0) * plane;
-            for (int64_t r = 0; r < h; r++)
-                interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
-            interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
+            const float *xb = xs, *tb = ts;
+            if (xs_all != NULL) { /* the caller's interleaved padded planes and target rows of every sample */
+                xb = xs_all + (idx[b] * nblk + q) * hp * wp * GB;
+                tb = ts_all + (idx[b] * nblk + q) * len * GB;
+            } else {
+                const float *src = x + (idx[b] * c + c0) * plane;
+                for (int64_t r = 0; r < h; r++)
+                    interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+                interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
+            }
             for (int64_t y = 0; y < ho; y++)
-                forward(xs + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
-            act_residual_lanes(len * GB, prow, ts, lo, hi, wlo, whi, gscale, ssel, gsl);
+                forward(xb + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
+            act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, ssel, gsl);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
                 int64_t i = 0;
                 for (; i + 8 <= k; i += 8)
-                    dwb_wgrad_8(xs, off, i, sh, wp, step, ho, wo, prow, gtot);
+                    dwb_wgrad_8(xb, off, i, sh, wp, step, ho, wo, prow, gtot);
                 for (; i < k; i++)
-                    dwb_wgrad_1(xs, off, i, sh, wp, step, ho, wo, prow, gtot);
+                    dwb_wgrad_1(xb, off, i, sh, wp, step, ho, wo, prow, gtot);
             }
         }
         for (int64_t t = 0; t < cn; t++) {
@@ -1831,4 +1880,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 19; }
+int qt_cpu_steps_version(void) { return 20; }

@@ -35,13 +35,13 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts",
+           "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts",
            "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 19
+_VERSION = 20
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -74,9 +74,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
-        [ptr] * 6
+        [ptr] * 7
     lib.qt_depthwise_direct_blocked.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + \
-        [f32] * 5 + [ptr] * 8
+        [f32] * 5 + [ptr] * 10
+    lib.qt_depthwise_phase_prepare.argtypes = [i64, i64, ptr] + [i64] * 6 + [ptr]
+    lib.qt_depthwise_blocked_prepare.argtypes = [i64, i64, i64, ptr] + [i64] * 4 + [ptr, i64, ptr, ptr]
+    lib.qt_depthwise_phase_prepare.restype = lib.qt_depthwise_blocked_prepare.restype = None
     lib.qt_depthwise_direct_blocked.restype = None
     lib.qt_gram_adaquant_iteration.argtypes = [ctypes.POINTER(GramAdaQuantArgs)]
     lib.qt_gram_adaquant_iteration.restype = ctypes.c_int
@@ -530,9 +533,69 @@ def depthwise_wgrad(x: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, 
     return gw
 
 
+@dataclass(frozen=True)
+class DepthwisePrepared:
+    """A depthwise layer's cached input (and target) rearranged once for :func:`depthwise_direct`'s kernel
+    (:func:`depthwise_prepare`): ``blocked`` True, ``xs`` (float32 ``[N, ceil(C / 16), hp, wp, 16]``, the
+    zero-padded planes with 16 channels interleaved) and ``ts`` (``[N, ceil(C / 16), Ho * Wo, 16]``, the target
+    rows likewise); or ``blocked`` False and ``phases`` (float32 ``[N, C, sw * hp * wq + 16]``, each zero-padded
+    plane split into its ``sw`` column phases, 16 zero floats after). The same values the kernels arrange per call,
+    so the same bits."""
+
+    blocked: bool
+    xs: Optional[torch.Tensor] = None
+    ts: Optional[torch.Tensor] = None
+    phases: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.xs, self.ts, self.phases) if t is not None)
+
+
+def depthwise_prepared_bytes(x: torch.Tensor, kernel, stride, padding, blocked: Optional[bool] = None) -> int:
+    """The bytes :func:`depthwise_prepare` would allocate for ``x`` (``[N, C, H, W]``) with this geometry."""
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    n, c = x.shape[0], x.shape[1]
+    if blocked is None:
+        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    if blocked:
+        return 4 * n * -(-c // _GB) * _GB * ((h + 2 * ph) * (w + 2 * pw) + ho * wo)
+    return 4 * n * c * scratch_len
+
+
+def depthwise_prepare(x: torch.Tensor, target: torch.Tensor, kernel, stride, padding,
+                      blocked: Optional[bool] = None) -> DepthwisePrepared:
+    """Every sample's planes of ``x`` (contiguous float32 ``[N, C, H, W]``) and, on the channel-blocked route, rows
+    of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``) in the layout :func:`depthwise_direct`'s kernel reads
+    (:class:`DepthwisePrepared`; ``blocked`` as there), for a layer trained on them for many iterations: the kernel
+    then reads them instead of rearranging each mini-batch's planes per call (``qt_depthwise_blocked_prepare``,
+    ``qt_depthwise_phase_prepare``; :func:`depthwise_prepared_bytes` says how much memory). Split between torch's
+    threads."""
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    n, c = x.shape[0], x.shape[1]
+    if blocked is None:
+        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    lib = library()
+    if blocked:
+        nblk = -(-c // _GB)
+        xs = torch.empty(n, nblk, h + 2 * ph, w + 2 * pw, _GB, dtype=torch.float32)
+        ts = torch.empty(n, nblk, ho * wo, _GB, dtype=torch.float32)
+        pool = _pool() if n * nblk > 1 and xs.numel() >= PARALLEL_MIN else None
+        native.split(lib.qt_depthwise_blocked_prepare, n * nblk, pool,
+                     lambda i, a, e: (a, e, c, x.data_ptr(), h, w, ph, pw, target.data_ptr(), ho * wo, xs.data_ptr(),
+                                      ts.data_ptr()))
+        return DepthwisePrepared(True, xs=xs, ts=ts)
+    phases = torch.empty(n, c, scratch_len, dtype=torch.float32)
+    pool = _pool() if n * c > 1 and phases.numel() >= PARALLEL_MIN else None
+    native.split(lib.qt_depthwise_phase_prepare, n * c, pool,
+                 lambda i, a, e: (a, e, x.data_ptr(), h, w, ph, pw, sh, sw, phases.data_ptr()))
+    return DepthwisePrepared(False, phases=phases)
+
+
 def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
-                     gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None):
+                     gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None,
+                     prepared: Optional[DepthwisePrepared] = None):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -542,9 +605,13 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     without ``bias_grad``) and ``sse = sum r^2`` (0-d float64), each plane's output kept in cache between the three
     steps instead of written out and read back twice (and its padded copy made once instead of twice).
     ``grads=False``: the loss alone (``gw`` and ``gb`` None, no weight-gradient pass), the forward path's loss
-    without its output written out. Channels are split between torch's threads."""
+    without its output written out. ``prepared``: :func:`depthwise_prepare`'s arrangement of these ``x`` and
+    ``target`` with this geometry, read instead of arranging the mini-batch's planes per call (the same bits; its
+    route, blocked or not, is the one taken). Channels are split between torch's threads."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     b, c = idx.numel(), x.shape[1]
+    if prepared is not None:
+        blocked = prepared.blocked
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64)
@@ -556,8 +623,9 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
         pool = _pool() if nblk > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
         parts = 1 if pool is None else min(pool[1], nblk)
         hp, wp, k = h + 2 * ph, w + 2 * pw, kh * kw
-        xs = torch.empty(parts, hp * wp * _GB, dtype=torch.float32)
-        ts = torch.empty(parts, ho * wo * _GB, dtype=torch.float32)
+        xs = torch.empty(parts, hp * wp * _GB if prepared is None else 0, dtype=torch.float32)
+        ts = torch.empty(parts, ho * wo * _GB if prepared is None else 0, dtype=torch.float32)
+        xs_all, ts_all = (None, None) if prepared is None else (prepared.xs.data_ptr(), prepared.ts.data_ptr())
         wb = torch.empty(parts, k * _GB, dtype=torch.float32)
         prow = torch.empty(parts, ho * wo * _GB, dtype=torch.float32)
         tot = torch.empty(parts, (k + 2) * _GB, dtype=torch.float64)
@@ -566,16 +634,17 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                                       weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi),
                                       float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
                                       xs[i].data_ptr(), ts[i].data_ptr(), wb[i].data_ptr(), prow[i].data_ptr(),
-                                      tot[i].data_ptr()))
+                                      tot[i].data_ptr(), xs_all, ts_all))
         return gw, gb, sse.sum()
     pool = _pool() if c > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
-    scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
+    scratch = torch.zeros(parts, scratch_len if prepared is None else 0, dtype=torch.float32)
     plane = torch.empty(parts, ho * wo, dtype=torch.float32)
     tot = torch.empty(parts, kh * kw, dtype=torch.float64)
+    phases = None if prepared is None else prepared.phases.data_ptr()
     native.split(library().qt_depthwise_direct, c, pool,
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi), float(wlo),
                                   float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
-                                  scratch[i].data_ptr(), plane[i].data_ptr(), tot[i].data_ptr()))
+                                  scratch[i].data_ptr(), plane[i].data_ptr(), tot[i].data_ptr(), phases))
     return gw, gb, sse.sum()

@@ -847,6 +847,10 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return y.reshape(n, y.shape[1], -1)
 
 
+#: the most bytes a depthwise layer's direct loss keeps of its input rearranged for the C kernel
+#: (cpu_steps.depthwise_prepare, about the size of the cached input and target): EfficientNet-Lite0's 112x112 and
+#: 56x56 layers take 27-80 MB for 16 samples
+DEPTHWISE_PREPARED_MAX_BYTES = 128 << 20
 #: a lazily built depthwise layer's row of H (QuadraticLayerLoss(sparse=True)) costs about this many of the eager
 #: build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
 #: dispatch-bound) 0.56 ms a row against 7.8 ms for every row of 16 samples' [256, 14, 14] 5x5 layer (5e8 units), one
@@ -1370,6 +1374,7 @@ class DirectLayerLoss:
                           and (plane >= POINTWISE_MIN_PLANE
                                or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
+        self._prep = None  # depthwise: the input rearranged for the C kernel (_prepared), False when not kept
         self.incremental = bool(incremental and self.pointwise)
         self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
         self._w0: Optional[torch.Tensor] = None  # [O, C]: the weight self._p0 holds the outputs of
@@ -1382,6 +1387,21 @@ class DirectLayerLoss:
         if x.dtype != torch.float32 or target.dim() < 2 or x.shape[0] != target.shape[0]:
             return "needs float32 inputs and a target with one row per sample"
         return _uncovered(module, x)
+
+    def _prepared(self):
+        """A depthwise layer's input (and target) rearranged once for the C kernel
+        (:func:`cpu_steps.depthwise_prepare`), made on the first call, kept for the layer's iterations; None where it
+        would take more than ``DEPTHWISE_PREPARED_MAX_BYTES`` (the kernel then arranges each mini-batch's planes
+        itself: the same bits)."""
+        if self._prep is None:
+            from . import cpu_steps
+
+            m = self.module
+            fits = cpu_steps.depthwise_prepared_bytes(self.x, m.kernel_size, m.stride, m.padding) \
+                <= DEPTHWISE_PREPARED_MAX_BYTES
+            self._prep = (cpu_steps.depthwise_prepare(self.x, self.target, m.kernel_size, m.stride, m.padding)
+                          if fits else False)
+        return self._prep or None
 
     def _buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
         """The float32 buffer of ``shape`` reused between iterations (``self._out``; a new one when the shape
@@ -1493,7 +1513,8 @@ class DirectLayerLoss:
             m = self.module
             gw, gb, sse = cpu_steps.depthwise_direct(
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
-                m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None)
+                m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None,
+                prepared=self._prepared())
             return gw, gb, (sse * f if want_loss else None)
         gb = None
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
@@ -1569,7 +1590,8 @@ class DirectLayerLoss:
             m = self.module
             sse = cpu_steps.depthwise_direct(self.x, torch.tensor(ids, dtype=torch.int64), weight.contiguous(), bias,
                                              m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
-                                             self.wlo, self.whi, 0.0, False, grads=False)[2]
+                                             self.wlo, self.whi, 0.0, False, grads=False,
+                                             prepared=self._prepared())[2]
             return float(sse) / (len(ids) * self.denominator)
         # incremental: every sample's outputs kept for the training that follows (the loss before finetuning)
         forward = self._forward_incremental if self.incremental and idx is None else self._forward

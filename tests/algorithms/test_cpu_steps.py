@@ -435,6 +435,19 @@ def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, s
                                                        target, lo, hi, wlo, whi, 0.0, True, grads=False,
                                                        blocked=blocked)
     assert none_w is None and none_b is None and float(alone) == float(sse)  # the loss alone: the same sums
+    # every sample's planes arranged once (depthwise_prepare): the same bits, on one thread and two
+    prep = cpu_steps.depthwise_prepare(x, target, conv.kernel_size, conv.stride, conv.padding, blocked=blocked)
+    assert prep.blocked == blocked and prep.nbytes == cpu_steps.depthwise_prepared_bytes(
+        x, conv.kernel_size, conv.stride, conv.padding, blocked=blocked)
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            pw_, pb_, ps_ = cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding,
+                                                       target, lo, hi, wlo, whi, 0.25, True, prepared=prep)
+            assert torch.equal(pw_.view(torch.int32), gw.view(torch.int32)) and torch.equal(pb_, gb)
+            assert float(ps_) == float(sse)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_direct_loss_value_of_a_depthwise_layer_equals_the_forward_path():
