@@ -763,3 +763,33 @@ def test_plan_counts_the_reads_of_a_gram_matrix_that_outgrows_the_caches(monkeyp
     assert rc.QuadraticLayerLoss.plan(small, xs, ts, 50, 2, density=0.003) is not None
     monkeypatch.setattr(rc, "GRAM_READ_COST", 1.0)
     assert rc.QuadraticLayerLoss.plan(big, x, t, 50, 2, density=0.003) is not None
+
+
+def test_kept_diff_finds_exactly_the_entries_that_differ_as_floats():
+    """qt_kept_diff (the incremental 1x1 loss's scan of the weight): the entries where w != w0 as floats, in order,
+    with their differences, w0 updated there; a -0.0 against 0.0 is no change, a NaN always is (it never equals
+    itself); changes in the 16-entry blocks and in the tail alike; more than ``cap``: the count, nothing changed."""
+    import ctypes
+
+    lib = cpu_steps.library()
+    gen = torch.Generator().manual_seed(9)
+    m = 16 * 40 + 7
+    w0 = torch.randn(m, generator=gen)
+    w0[100] = 0.0
+    w = w0.clone()
+    w[[3, 17, 18, 300, m - 1]] += torch.tensor([0.5, -0.25, 1.0, 2.0, -1.0])
+    w[100] = -0.0                          # equal as floats
+    w[200] = float("nan")                  # a change
+    w0[400] = w[400] = float("nan")        # NaN on both sides: a change
+    ref = [q for q in range(m) if not bool(w[q] == w0[q])]
+    at, d = torch.empty(16, dtype=torch.int64), torch.empty(16)
+    w0c = w0.clone()
+    k = lib.qt_kept_diff(m, ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w0c.data_ptr()), 16,
+                         ctypes.c_void_p(at.data_ptr()), ctypes.c_void_p(d.data_ptr()))
+    assert k == len(ref) == 7 and at[:k].tolist() == ref
+    assert torch.equal(d[:k][[0, 1, 2, 4, 6]], (w - w0)[[3, 17, 18, 300, m - 1]])
+    assert torch.equal(w0c[[3, 17, 18, 300, m - 1]], w[[3, 17, 18, 300, m - 1]]) and float(w0c[100]) == 0.0
+    w0c = w0.clone()
+    k = lib.qt_kept_diff(m, ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w0c.data_ptr()), 4,
+                         ctypes.c_void_p(at.data_ptr()), ctypes.c_void_p(d.data_ptr()))
+    assert k == 7 and torch.equal(w0c.view(torch.int32), w0.view(torch.int32))  # over cap: w0 left as it was
