@@ -1674,6 +1674,64 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* The channel-blocked forward of a whole plane on AVX2: each 8-channel half of the block on its own (one 256-bit
+ * vector), DWB8_P positions side by side across rows (independent chains of multiply-adds even on a 7-wide plane),
+ * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (the bias, then
+ * a multiply-add per tap in tap order), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
+ * twenty-five weights and eight accumulators are two registers each (522 of 943 instructions of dwb_forward_k9 went
+ * through the stack). */
+#define DWB8_P 8
+#define DWB8_PLANE(NAME, KK)                                                                                           \
+    static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t sh, int64_t wp,       \
+                     int64_t step, int64_t ho, int64_t wo, const float *restrict wb, const float *restrict bias16,    \
+                     float *restrict prow) {                                                                           \
+        const int64_t len = ho * wo;                                                                                   \
+        for (int64_t hf = 0; hf < GB; hf += 8) {                                                                       \
+            vf8 bv;                                                                                                    \
+            __builtin_memcpy(&bv, bias16 + hf, sizeof bv);                                                             \
+            int64_t q = 0;                                                                                             \
+            for (; q + DWB8_P <= len; q += DWB8_P) {                                                                   \
+                const float *in[DWB8_P];                                                                               \
+                vf8 a[DWB8_P];                                                                                         \
+                _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++) {                                             \
+                    int64_t y = (q + j) / wo, xx = (q + j) % wo;                                                       \
+                    in[j] = xs + sh * y * wp * GB + xx * step + hf;                                                    \
+                    a[j] = bv;                                                                                         \
+                }                                                                                                      \
+                for (int64_t i = 0; i < (KK); i++) {                                                                   \
+                    vf8 w;                                                                                             \
+                    __builtin_memcpy(&w, wb + i * GB + hf, sizeof w);                                                  \
+                    const int64_t oi = off[i];                                                                         \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++) {                                         \
+                        vf8 t;                                                                                         \
+                        __builtin_memcpy(&t, in[j] + oi, sizeof t);                                                    \
+                        a[j] = fma8(w, t, a[j]);                                                                       \
+                    }                                                                                                  \
+                }                                                                                                      \
+                _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++)                                               \
+                    __builtin_memcpy(prow + (q + j) * GB + hf, &a[j], sizeof a[j]);                                    \
+            }                                                                                                          \
+            for (; q < len; q++) {                                                                                     \
+                int64_t y = q / wo, xx = q % wo;                                                                       \
+                const float *in0 = xs + sh * y * wp * GB + xx * step + hf;                                             \
+                vf8 a0 = bv;                                                                                           \
+                for (int64_t i = 0; i < (KK); i++) {                                                                   \
+                    vf8 w, t;                                                                                          \
+                    __builtin_memcpy(&w, wb + i * GB + hf, sizeof w);                                                  \
+                    __builtin_memcpy(&t, in0 + off[i], sizeof t);                                                      \
+                    a0 = fma8(w, t, a0);                                                                               \
+                }                                                                                                      \
+                __builtin_memcpy(prow + q * GB + hf, &a0, sizeof a0);                                                  \
+            }                                                                                                          \
+        }                                                                                                              \
+        (void)k;                                                                                                       \
+    }
+DWB8_PLANE(dwb8_plane_k9, 9)
+DWB8_PLANE(dwb8_plane_k25, 25)
+DWB8_PLANE(dwb8_plane_any, k)
+#endif
+
 /* the weight gradient of taps [i0, i0 + T) over the plane: s_i = sum_{y, x} g(y, x) xs(sh y wp GB + x step + off_i), one
  * float32 vector per tap (T independent chains: the plane's positions in order for each), added into gtot in float64 */
 #define DWB_WGRAD(NAME, T)                                                                                             \
@@ -1728,6 +1786,51 @@ static void dwb_wgrad_8(const float *restrict xs, const int64_t *restrict off, i
             gtot[(i0 + 6) * GB + hf + t] += (double)s6[t];
             gtot[(i0 + 7) * GB + hf + t] += (double)s7[t];
         }
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* dwb_wgrad_8's sums for the taps [i0, i0 + T) with T (<= DWBW_MAX) a constant per instance, in one pass per
+ * 8-channel half: a 3x3 kernel's nine taps in one pass instead of eight and then one more (a whole pass over the plane
+ * and the gradient for one tap), a 5x5's 25 in three (12, 12, 1) instead of four. The same float32 sums per lane and
+ * tap (positions in order), added into gtot in float64 as dwb_wgrad_8 adds them. */
+#define DWBW_MAX 12
+static inline __attribute__((always_inline)) void dwbw_taps(const int T, const float *restrict xs,
+                                                            const int64_t *restrict off, int64_t i0, int64_t sh,
+                                                            int64_t wp, int64_t step, int64_t ho, int64_t wo,
+                                                            const float *restrict g, double *restrict gtot) {
+    int64_t o[DWBW_MAX];
+    _Pragma("GCC unroll 12") for (int j = 0; j < T; j++) o[j] = off[i0 + j];
+    for (int64_t hf = 0; hf < GB; hf += 8) {
+        vf8 a[DWBW_MAX];
+        _Pragma("GCC unroll 12") for (int j = 0; j < T; j++) a[j] = (vf8){0};
+        for (int64_t y = 0; y < ho; y++) {
+            const float *xr = xs + sh * y * wp * GB + hf, *gy = g + y * wo * GB + hf;
+            for (int64_t xx = 0; xx < wo; xx++) {
+                vf8 gv;
+                __builtin_memcpy(&gv, gy + xx * GB, sizeof gv);
+                const float *xq = xr + xx * step;
+                _Pragma("GCC unroll 12") for (int j = 0; j < T; j++) {
+                    vf8 t;
+                    __builtin_memcpy(&t, xq + o[j], sizeof t);
+                    a[j] += gv * t;
+                }
+            }
+        }
+        _Pragma("GCC unroll 12") for (int j = 0; j < T; j++)
+            for (int t = 0; t < 8; t++)
+                gtot[(i0 + j) * GB + hf + t] += (double)a[j][t];
+    }
+}
+__attribute__((noinline)) static void dwb_wgrad_taps(int64_t n, const float *xs, const int64_t *off, int64_t i0,
+                                                     int64_t sh, int64_t wp, int64_t step, int64_t ho, int64_t wo,
+                                                     const float *g, double *gtot) {
+    switch (n) {
+    case 12: dwbw_taps(12, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
+    case 9: dwbw_taps(9, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
+    case 8: dwbw_taps(8, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
+    default: dwbw_taps(1, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
     }
 }
 #endif
@@ -1803,11 +1906,24 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                     interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            (k == 9 ? dwb8_plane_k9 : (k == 25 ? dwb8_plane_k25 : dwb8_plane_any))(xb, off, k, sh, wp, step, ho, wo, wb,
+                                                                                   bb, prow);
+            (void)forward;
+            (void)bv;
+#else
             for (int64_t y = 0; y < ho; y++)
                 forward(xb + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
+#endif
             act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, ssel, gsl);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
                 int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+                if (k == 9) /* (AVX2: nine taps in one pass, 12 at a time otherwise) */
+                    i = 9, dwb_wgrad_taps(9, xb, off, 0, sh, wp, step, ho, wo, prow, gtot);
+                for (; i + 12 <= k; i += 12)
+                    dwb_wgrad_taps(12, xb, off, i, sh, wp, step, ho, wo, prow, gtot);
+#endif
                 for (; i + 8 <= k; i += 8)
                     dwb_wgrad_8(xb, off, i, sh, wp, step, ho, wo, prow, gtot);
                 for (; i < k; i++)
@@ -1907,4 +2023,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 21; }
+int qt_cpu_steps_version(void) { return 22; }
