@@ -899,13 +899,14 @@ void qt_kept_update(int64_t s0, int64_t s1, int64_t o, int64_t c, int64_t p, int
  * sums run within each channel, a channel's tail (plane % 16) into one more sum. */
 __attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_t plane, const float *restrict p0,
                                                              const float *restrict bias, float *restrict g,
-                                                             const float *restrict y, float lo, float hi, float wlo,
-                                                             float whi, float gscale, double *restrict gsum) {
+                                                             int64_t gstride, const float *restrict y, float lo,
+                                                             float hi, float wlo, float whi, float gscale,
+                                                             double *restrict gsum) {
     double acc[16] = {0.0}, tail = 0.0;
     for (int64_t c = 0; c < ch; c++) {
         const float bv = bias ? bias[c] : 0.0f;
         const float *restrict pc = p0 + c * plane, *restrict yc = y + c * plane;
-        float *restrict gc = g + c * plane;
+        float *restrict gc = g + c * gstride;
         double gs[16] = {0.0}, gt = 0.0;
         int64_t q = 0;
         for (; q + 16 <= plane; q += 16)
@@ -946,11 +947,12 @@ __attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_
  * channels' gradient sums */
 void qt_act_residual_kept(int64_t b0, int64_t b1, int64_t ch, int64_t plane, const float *p0, const float *bias,
                           float *g, const float *target, const int64_t *idx, float lo, float hi, float wlo, float whi,
-                          float gscale, double *sse, double *gsum) {
+                          float gscale, double *sse, double *gsum, int64_t nb, int64_t by_channel) {
     int64_t len = ch * plane;
-    for (int64_t b = b0; b < b1; b++)
-        sse[b] = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias, g + b * len, target + idx[b] * len, lo,
-                                       hi, wlo, whi, gscale, gsum ? gsum + b * ch : NULL);
+    for (int64_t b = b0; b < b1; b++) /* g: [nb, ch, plane], or [ch, nb, plane] with by_channel */
+        sse[b] = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias, by_channel ? g + b * plane : g + b * len,
+                                       by_channel ? nb * plane : plane, target + idx[b] * len, lo, hi, wlo, whi,
+                                       gscale, gsum ? gsum + b * ch : NULL);
 }
 
 /* ------------------------------------------------------------------------------ small Gram-matrix layers */
@@ -2023,4 +2025,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 22; }
+int qt_cpu_steps_version(void) { return 23; }

@@ -41,7 +41,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 22
+_VERSION = 23
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -65,7 +65,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_kept_diff.argtypes = [i64, ptr, ptr, i64, ptr, ptr]
     lib.qt_kept_diff.restype = i64
     lib.qt_kept_update.argtypes = [i64] * 6 + [ptr] * 4
-    lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2
+    lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
     lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 7
@@ -441,13 +441,15 @@ def kept_update(p0: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w0: torch.Te
 
 def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,
                       target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float, gscale: float,
-                      channel_sums: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      channel_sums: bool, by_channel: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`act_residual` from kept outputs (``qt_act_residual_kept``): the pre-activation values of the rows
     ``idx`` (contiguous int64 ``[B]``) are ``p0[idx] + bias`` (``p0`` contiguous float32 ``[N, O, P]``, read only;
     ``bias`` float32 ``[O]`` or None), their output gradient goes into ``g`` (contiguous float32 ``[B, O, P]``),
     ``target`` as there (``[N, O, P]``). Returns ``sum r^2`` per row (float64 ``[B]``) and, with ``channel_sums``,
-    each row's per-channel sums of the gradient (float64 ``[B, O]``: the bias gradient's), else None. Rows are
-    split between torch's intra-op threads."""
+    each row's per-channel sums of the gradient (float64 ``[B, O]``: the bias gradient's), else None.
+    ``by_channel``: ``g`` is ``[O, B, P]`` instead (each channel's rows of the mini-batch side by side: the weight
+    gradient is then one product ``g [O, B P] x [B P, C]``), the same values. Rows are split between torch's
+    intra-op threads."""
     b = idx.numel()
     o, p = p0.shape[1], p0.shape[2]
     sse = torch.empty(b, dtype=torch.float64)
@@ -457,7 +459,7 @@ def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.
     native.split(library().qt_act_residual_kept, b, pool,
                  lambda i, a, e: (a, e, o, p, p0.data_ptr(), _ptr(bias), g.data_ptr(), target.data_ptr(),
                                   idx.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
-                                  sse.data_ptr(), _ptr(gsum)))
+                                  sse.data_ptr(), _ptr(gsum), b, int(by_channel)))
     return sse, gsum
 
 

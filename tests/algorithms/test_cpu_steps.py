@@ -793,3 +793,20 @@ def test_kept_diff_finds_exactly_the_entries_that_differ_as_floats():
     k = lib.qt_kept_diff(m, ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w0c.data_ptr()), 4,
                          ctypes.c_void_p(at.data_ptr()), ctypes.c_void_p(d.data_ptr()))
     assert k == 7 and torch.equal(w0c.view(torch.int32), w0.view(torch.int32))  # over cap: w0 left as it was
+
+
+def test_act_residual_kept_by_channel_is_the_same_gradient_transposed():
+    """act_residual_kept(by_channel=True) writes the mini-batch's output gradients as [O, B, P] (each channel's rows
+    side by side, for one weight-gradient product): the [B, O, P] layout's values transposed, bit for bit, with the
+    same sums of squares and channel sums."""
+    gen = torch.Generator().manual_seed(12)
+    n, o, p = 5, 7, 37
+    p0 = torch.randn(n, o, p, generator=gen)
+    target = torch.randn(n, o, p, generator=gen).clamp(0.0, 1.0)
+    bias = torch.randn(o, generator=gen)
+    idx = torch.tensor([4, 1, 4])
+    g1, g2 = torch.empty(3, o, p), torch.empty(o, 3, p)
+    s1, c1 = cpu_steps.act_residual_kept(p0, idx, bias, g1, target, 0.0, 1.0, 0.0, 0.0, 0.3, True)
+    s2, c2 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True)
+    assert torch.equal(g2.transpose(0, 1).view(torch.int32), g1.view(torch.int32))
+    assert torch.equal(s1, s2) and torch.equal(c1, c2)

@@ -1751,19 +1751,24 @@ def test_kept_outputs_take_the_finished_layers_output(monkeypatch):
     assert onnx.helper.printable_graph(qo.export(qm2, None).graph) == exported
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused,concat", [(True, True), (True, False), (False, True)],
+                         ids=["fused-one-product", "fused-per-sample", "torch"])
 @pytest.mark.parametrize("with_bias,train_bias", [(True, True), (True, False), (False, False)])
-def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fused, with_bias, train_bias):
+def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fused, concat, with_bias, train_bias):
     """DirectLayerLoss(incremental=True) on a 1x1 Conv2d keeps every sample's output and moves it by the weight's
     changes: over a run of sparse changes (a few entries, some on one output channel twice), no change, a dense
     change (recomputed) and sparse ones again, its loss and gradients are the plain direct loss's to float
-    rounding, its kept outputs a fresh product's, and neither the input nor the target is modified."""
-    from qtorch_onnx.algorithms import cpu_steps
+    rounding, its kept outputs a fresh product's, and neither the input nor the target is modified; on the fused
+    path with the mini-batch's output gradients side by side per channel (one weight-gradient product,
+    KEPT_CONCAT_MAX_PLANE) and one product per sample alike."""
+    from qtorch_onnx.algorithms import cpu_steps, reconstruction
     from qtorch_onnx.algorithms.reconstruction import INCREMENTAL_MAX_CHANGED, DirectLayerLoss, activation_clamp
     from qtorch_onnx.lift.ops_math import OnnxClip
 
     if fused and not cpu_steps.available():
         pytest.skip("no C compiler: the fused CPU steps are not built")
+    if not concat:
+        monkeypatch.setattr(reconstruction, "KEPT_CONCAT_MAX_PLANE", 0)
     monkeypatch.setenv(cpu_steps.ENV_SWITCH, "1" if fused else "0")
     monkeypatch.setattr(cpu_steps, "_state", {})
     gen = torch.Generator().manual_seed(3)
