@@ -518,9 +518,9 @@ def _optimize_layer(qm, ex, layer, node, ld, s: FastFinetuneSettings, index: int
     def direct_for():
         return _direct_loss(qm, node, layer, ld, s, out_q, act_module, fn)
 
-    def outputs_for(scratch=None):  # the finished layer's output, as the next layers will read it
+    def outputs_for(scratch=None, computed=None):  # the finished layer's output, as the next layers will read it
         _sync_layers(ex, [layer])
-        finished["outputs"] = ex.layer_output(node, scratch)
+        finished["outputs"] = ex.layer_output(node, scratch, computed=computed)
         return finished["outputs"]
 
     return _reconstruct([layer], fn, ld, s, index, progress, rec, ex.device, out_q=out_q, quad_for=quad_for,
@@ -1310,9 +1310,11 @@ def _direct_loss_after(direct, fn, ld, rec: LayerRecord, outputs_for=None) -> fl
     output checked against the forward path on the first sample (the trained weight); on a mismatch the forward
     path's loss over all samples, and a note."""
     if outputs_for is not None:
-        # the kept outputs' memory (AdaQuant's incremental 1x1 loss, as large as the output) takes the output: no
-        # new pages where the model's activations are largest
-        loss = direct.loss_of(outputs_for(direct.release_kept()))
+        # AdaQuant's kept 1x1 outputs are the finished layer's output (moved by the last step's changes, plus the
+        # bias): no convolution of every sample again (EfficientNet-Lite0's blocks.1 expansion, 16 x 308M
+        # multiply-adds); else their memory takes the output: no new pages where the activations are largest
+        kept = direct.kept_output()
+        loss = direct.loss_of(outputs_for(None, kept) if kept is not None else outputs_for(direct.release_kept()))
         if loss is not None:
             return loss
     if _direct_output_agrees(direct, fn, ld):

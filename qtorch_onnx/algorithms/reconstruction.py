@@ -702,13 +702,18 @@ class StagedExecutor:
             self.release_inputs(n, self.pos)
             self.pos += 1
 
-    def layer_output(self, node: fx.Node, scratch: Optional[torch.Tensor] = None) -> List[Any]:
+    def layer_output(self, node: fx.Node, scratch: Optional[torch.Tensor] = None,
+                     computed: Optional[torch.Tensor] = None) -> List[Any]:
         """The quantized output of ``node`` (the executor stands at it) with the layer's current weights (its constant
         inputs recomputed first, as :meth:`finish_layer` does), one value per chunk on the chunk's device, stored
         nowhere: :meth:`finish_layer` takes them while the weights stay as they were. ``scratch``: memory the caller
         gives up, written with the output where the staged 1x1 route computes it for the one chunk and the shape
         fits (:func:`_staged_conv`; new memory costs page faults: EfficientNet-Lite0's [16, 96, 112, 112] output
-        is 77 MB)."""
+        is 77 MB). ``computed``: that output for every sample already at hand (AdaQuant's kept 1x1 outputs,
+        :meth:`DirectLayerLoss.kept_output`: the same convolution to float rounding, as the staged 1x1 route's),
+        taken as the one chunk's instead of running the layer again, where there is one chunk on its device."""
+        if computed is not None and len(self.chunks) == 1 and computed.device == self.device:
+            return [computed]
         self._refresh_constants([node])
         with torch.no_grad():
             one = len(self.chunks) == 1
@@ -1575,6 +1580,21 @@ class DirectLayerLoss:
         quantized weight and bias (the module's): what the forward path computes, as a new float32 tensor."""
         pre, _ = self._forward(torch.tensor(list(idx), dtype=torch.int64), *self._current())
         return pre.clone() if self.identity else pre.clamp(self.lo, self.hi)
+
+    @torch.no_grad()
+    def kept_output(self) -> Optional[torch.Tensor]:
+        """The layer's output before the activation for every sample with its current quantized weight and bias (the
+        module's), from the kept outputs (moved by the weight's last changes, the bias added in place: the same
+        convolution to float rounding), as a float32 ``[N, O, H, W]`` view of their memory, which the loss then
+        forgets (as :meth:`release_kept`); None where none are kept."""
+        if not self.incremental or self._p0 is None:
+            return None
+        weight, bias = self._current()
+        p0 = self._track(weight)
+        if bias is not None:
+            p0.add_(bias.reshape(1, -1, 1))
+        self._p0, self._w0 = None, None
+        return p0.view(p0.shape[0], p0.shape[1], *self.x.shape[2:])
 
     def release_kept(self) -> Optional[torch.Tensor]:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
