@@ -856,19 +856,24 @@ int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t 
     return k;
 }
 
-/* qt_kept_update: for the samples s in [s0, s1) and the changed entries j = 0..k-1 (flat index at[j] = oi c + ci),
- * in the order of j:  p0[s, oi, :] += d[j] x[s, ci, :]  (x: [n, c, p]). Repeated output channels add in that
- * order: the same sums every run. */
-void qt_kept_update(int64_t s0, int64_t s1, int64_t o, int64_t c, int64_t p, int64_t k, const int64_t *at,
-                    const float *d, const float *x, float *p0) {
-    for (int64_t s = s0; s < s1; s++)
-        for (int64_t j = 0; j < k; j++) {
+/* qt_kept_replay: the kept outputs of the samples s = samples[b], b in [b0, b1), brought up to date with a log of
+ * weight changes (flat indices at[j] = oi c + ci, differences d[j], in the order they happened): the entries
+ * j = start[b] .. end - 1, in that order,  p0[s, oi, :] += d[j] x[s, ci, :]  (x: [n, c, p]). Each element gets the
+ * same additions in the same order whenever it is replayed, so a sample brought up to date when it is read (lazily)
+ * holds the bits it would hold had every change been applied to every sample at once; the lazy order touches one
+ * sample's outputs (in cache) for a run of changes instead of every sample's for each. */
+void qt_kept_replay(int64_t b0, int64_t b1, const int64_t *samples, const int64_t *start, int64_t end, int64_t o,
+                    int64_t c, int64_t p, const int64_t *at, const float *d, const float *x, float *p0) {
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t s = samples[b];
+        for (int64_t j = start[b]; j < end; j++) {
             float *restrict dst = p0 + (s * o + at[j] / c) * p;
             const float *restrict src = x + (s * c + at[j] % c) * p;
             float dj = d[j];
             for (int64_t q = 0; q < p; q++)
                 dst[q] += dj * src[q];
         }
+    }
 }
 
 /* act_residual_row for a row of kept outputs: the pre-activation values are p0's row plus the bias of each channel
@@ -2013,4 +2018,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 23; }
+int qt_cpu_steps_version(void) { return 24; }

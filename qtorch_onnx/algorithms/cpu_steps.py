@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -35,13 +35,14 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values", "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts",
+           "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
+           "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
            "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 23
+_VERSION = 24
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -64,7 +65,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_act_sse.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr]
     lib.qt_kept_diff.argtypes = [i64, ptr, ptr, i64, ptr, ptr]
     lib.qt_kept_diff.restype = i64
-    lib.qt_kept_update.argtypes = [i64] * 6 + [ptr] * 4
+    lib.qt_kept_replay.argtypes = [i64, i64, ptr, ptr] + [i64] * 4 + [ptr] * 4
     lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
@@ -88,7 +89,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_update,
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_replay,
               lib.qt_act_residual_kept):
         f.restype = None
 
@@ -417,26 +418,35 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     return sse
 
 
-def kept_update(p0: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w0: torch.Tensor, cap: int) -> bool:
-    """Move kept 1x1-convolution outputs by a sparse weight change (``qt_kept_diff`` / ``qt_kept_update``,
-    DirectLayerLoss's ``incremental``): for the entries ``(o, c)`` where ``w`` differs from ``w0`` (contiguous
-    float32 ``[O, C]``, in row-major order), ``p0[:, o, :] += (w - w0)[o, c] * x[:, c, :]``, and ``w0`` takes
-    ``w``'s values there. ``p0``: contiguous float32 ``[N, O, P]``, updated in place; ``x``: contiguous float32
-    ``[N, C, P]``. Returns False, with nothing changed, when more than ``cap`` entries differ (the caller
-    recomputes ``p0``). Samples are split between torch's intra-op threads."""
+def kept_diff(w: torch.Tensor, w0: torch.Tensor, at: torch.Tensor, d: torch.Tensor) -> int:
+    """The entries where a 1x1 layer's weight changed (``qt_kept_diff``, DirectLayerLoss's ``incremental``): for
+    ``w`` and ``w0`` (contiguous float32 ``[O, C]``) the flat indices ``o C + c`` where ``w != w0`` as floats, in
+    row-major order, go into ``at`` (contiguous int64) and the differences ``w - w0`` into ``d`` (contiguous float32),
+    and ``w0`` takes ``w``'s values there. Returns how many entries differ; when that is more than ``at.numel()``,
+    ``w0`` is left as it was (and ``at`` / ``d`` hold the first ones)."""
+    cap = min(at.numel(), d.numel())
+    return int(library().qt_kept_diff(w.numel(), w.data_ptr(), w0.data_ptr(), cap, at.data_ptr(), d.data_ptr()))
+
+
+def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start: Sequence[int], end: int,
+                at: torch.Tensor, d: torch.Tensor) -> None:
+    """Bring kept 1x1-convolution outputs up to date with a log of weight changes (``qt_kept_replay``): for each
+    sample ``s = samples[b]`` the logged changes ``j = start[b] .. end - 1`` in order, ``p0[s, o, :] += d[j] * x[s, c,
+    :]`` for ``at[j] = o C + c``. ``p0``: contiguous float32 ``[N, O, P]``, updated in place; ``x``: contiguous float32
+    ``[N, C, P]``; ``at`` / ``d``: the log (contiguous int64 / float32, as :func:`kept_diff` writes it). The same bits
+    whichever samples are brought up to date when. Samples are split between torch's intra-op threads."""
     n, o, p = p0.shape
     c = x.shape[1]
-    at = torch.empty(max(cap, 1), dtype=torch.int64)
-    d = torch.empty(max(cap, 1), dtype=torch.float32)
-    lib = library()
-    k = int(lib.qt_kept_diff(o * c, w.data_ptr(), w0.data_ptr(), cap, at.data_ptr(), d.data_ptr()))
-    if k > cap:
-        return False
-    if k:
-        pool = _pool() if n > 1 and k * n * p >= PARALLEL_MIN else None
-        native.split(lib.qt_kept_update, n, pool,
-                     lambda i, a, b: (a, b, o, c, p, k, at.data_ptr(), d.data_ptr(), x.data_ptr(), p0.data_ptr()))
-    return True
+    b = len(samples)
+    if not b:
+        return
+    ss = torch.tensor(list(samples), dtype=torch.int64)
+    st = torch.tensor(list(start), dtype=torch.int64)
+    work = sum(end - v for v in start) * p
+    pool = _pool() if b > 1 and work >= PARALLEL_MIN else None
+    native.split(library().qt_kept_replay, b, pool,
+                 lambda i, a, e: (a, e, ss.data_ptr(), st.data_ptr(), end, o, c, p, at.data_ptr(), d.data_ptr(),
+                                  x.data_ptr(), p0.data_ptr()))
 
 
 def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,

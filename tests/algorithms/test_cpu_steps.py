@@ -795,6 +795,50 @@ def test_kept_diff_finds_exactly_the_entries_that_differ_as_floats():
     assert k == 7 and torch.equal(w0c.view(torch.int32), w0.view(torch.int32))  # over cap: w0 left as it was
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kept_replay_lazily_gives_the_bits_of_every_change_applied_at_once(threads):
+    """kept_replay (the incremental 1x1 loss's change log): samples brought up to date only when read, with the
+    backlog of steps each has missed, end with the same bits as every step's changes applied to every sample when
+    they happen (the same additions per element in the same order); repeated output channels within a step, samples
+    split between threads."""
+    gen = torch.Generator().manual_seed(11)
+    n, o, c, p = 6, 40, 24, 400  # from the 3rd step on, every sample's step is past PARALLEL_MIN
+    x = torch.randn(n, c, p, generator=gen)
+    eager = torch.randn(n, o, p, generator=gen)
+    lazy = eager.clone()
+    w0 = torch.randn(o, c, generator=gen)
+    w0_lazy = w0.clone()
+    at = torch.empty(4096, dtype=torch.int64)
+    d = torch.empty(4096)
+    length, seen = 0, [0] * n
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(12):
+            w = w0.clone()
+            hit = torch.randperm(o * c, generator=gen)[:30 + 7 * step]
+            w.view(-1)[hit] += 0.01 * torch.randn(hit.numel(), generator=gen)
+            w.view(-1)[5 * c + 3] += 0.5  # the same entry every step
+            # eager: every sample, now
+            a1, d1 = torch.empty(o * c, dtype=torch.int64), torch.empty(o * c)
+            k = cpu_steps.kept_diff(w, w0, a1, d1)
+            cpu_steps.kept_replay(eager, x, list(range(n)), [0] * n, k, a1, d1)
+            # lazy: logged, and only the step's mini-batch brought up to date
+            k2 = cpu_steps.kept_diff(w, w0_lazy, at[length:], d[length:])
+            assert k2 == k and torch.equal(w0, w0_lazy)
+            length += k2
+            batch = sorted({step % n, (3 * step + 1) % n})
+            cpu_steps.kept_replay(lazy, x, batch, [seen[i] for i in batch], length, at, d)
+            for i in batch:
+                seen[i] = length
+                assert torch.equal(lazy[i].view(torch.int32), eager[i].view(torch.int32))
+        rest = [i for i in range(n) if seen[i] < length]
+        cpu_steps.kept_replay(lazy, x, rest, [seen[i] for i in rest], length, at, d)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(lazy.view(torch.int32), eager.view(torch.int32))
+
+
 def test_act_residual_kept_by_channel_is_the_same_gradient_transposed():
     """act_residual_kept(by_channel=True) writes the mini-batch's output gradients as [O, B, P] (each channel's rows
     side by side, for one weight-gradient product): the [B, O, P] layout's values transposed, bit for bit, with the
