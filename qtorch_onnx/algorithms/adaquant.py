@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..formats import integer as _integer
-from .adaround import _fixed_qparams
+from . import cpu_steps
+from .adaround import _fixed_qparams, no_grad_if_needed
 
 __all__ = ["AdaQuantStep", "BlockAdaQuantStep", "FloatAdaQuantStep", "adaquant_step"]
 
@@ -66,13 +67,14 @@ class AdaQuantStep:
         self._next = None
         # the weight by the fused CPU loop (cpu_steps.c) where it applies; :meth:`check` keeps it only if it
         # gives the quantizer's bits
-        from . import cpu_steps
-
         self.layout = cpu_steps.RowLayout.of(weight.detach(), self.scale, self.zp, getattr(fq_w, "axis", None))
         # the bias by cpu_steps' bias_values / masked_adam with the weight's loops (one call each instead of about
         # nine and four torch operations a step): a contiguous float32 CPU bias with a float32 scale
         self.bias_fused = (self.layout is not None and bias is not None and bias.is_contiguous()
                            and bias.dtype == torch.float32 and fq_b.scale.dtype == torch.float32)
+        # bias_values' scales, flattened once (not per step)
+        self._bias_scales = (self.bias_scale64.reshape(-1).contiguous(), self.bias_scale.reshape(-1).contiguous()) \
+            if self.bias_fused else None
 
     @staticmethod
     def unsupported(fq_w, weight: torch.Tensor, fq_b=None, bias: Optional[torch.Tensor] = None) -> Optional[str]:
@@ -98,13 +100,11 @@ class AdaQuantStep:
         self._saved = None
         return ok
 
-    @torch.no_grad()
+    @no_grad_if_needed
     def values(self) -> List[torch.Tensor]:
         """``[wq]`` or ``[wq, bq]``: the quantized weight (float32, the weight's shape) and bias for the current
         parameters; keeps the gradient masks for :meth:`set_grads`."""
         if self.layout is not None:  # one fused CPU loop, the same bits
-            from . import cpu_steps
-
             nxt, self._next = self._next, None
             wq, outside = nxt if nxt is not None else \
                 cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)
@@ -120,10 +120,7 @@ class AdaQuantStep:
             out = [c.mul_(self.scale)]
         saved: List[Optional[torch.Tensor]] = [outside, None]
         if self.bias is not None and self.layout is not None and self.bias_fused:
-            from . import cpu_steps
-
-            bq, keep = cpu_steps.bias_values(self.bias.detach(), self.bias_scale64, self.bias_scale,
-                                             *self.bias_range)
+            bq, keep = cpu_steps.bias_values(self.bias, *self._bias_scales, *self.bias_range)
             out.append(bq)
             saved[1] = keep  # 1.0 where the gradient passes: the torch path's mask, as floats
         elif self.bias is not None:
@@ -137,7 +134,7 @@ class AdaQuantStep:
         self._saved = saved
         return out
 
-    @torch.no_grad()
+    @no_grad_if_needed
     def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0,
                   optimizer=None) -> None:
         """Set ``weight.grad`` (and ``bias.grad``) from ``grads = [dL/dwq (, dL/dbq)]`` for the values of the
@@ -150,12 +147,12 @@ class AdaQuantStep:
         if self._saved is None:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
-        gw = grads[0].reshape(self.weight.shape)
+        gw = grads[0]
+        if gw.shape != self.weight.shape:
+            gw = gw.reshape(self.weight.shape)
         moments = getattr(optimizer, "fused_moments", None)
         if self.layout is not None and moments is not None:
-            from . import cpu_steps
-
-            self._next = cpu_steps.adaquant_adam(self.layout, self.weight.detach(), gw.contiguous(), outside,
+            self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
                                                  moments(self.weight), next_range=(self.lo, self.hi))
             self.weight.grad = None
         else:
@@ -165,9 +162,7 @@ class AdaQuantStep:
         if self.bias is not None:
             gb = grads[1].reshape(self.bias.shape)
             if bias_mask.dtype == torch.float32 and moments is not None:  # the fused bias: Adam in one call
-                from . import cpu_steps
-
-                cpu_steps.masked_adam(self.bias.detach(), gb.contiguous(), bias_mask, moments(self.bias))
+                cpu_steps.masked_adam(self.bias, gb.contiguous(), bias_mask, moments(self.bias))
                 self.bias.grad = None
             else:
                 self.bias.grad = torch.mul(gb, bias_mask, out=torch.empty_like(self.bias))
@@ -348,8 +343,6 @@ class BlockAdaQuantStep:
         for bt, keep, g in zip(self._tensors, self._saved, grads):
             p = bt.t
             g = g.reshape(p.shape)
-            from . import cpu_steps
-
             if bt.fused and moments is not None and cpu_steps.available():
                 cpu_steps.masked_adam(p.detach(), g.contiguous(), keep, moments(p))
                 p.grad = None

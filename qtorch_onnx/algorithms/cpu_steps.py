@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -246,10 +246,10 @@ def adaround_grad(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor, q
     return out
 
 
-@dataclass(frozen=True)
-class AdamMoments:
+class AdamMoments(NamedTuple):
     """One Adam step's state for a fused update: the moments (float32, contiguous, the parameter's layout; updated
-    in place), betas, epsilon, ``lr / (1 - beta1^t)`` and ``1 / sqrt(1 - beta2^t)`` for the step number ``t``."""
+    in place), betas, epsilon, ``lr / (1 - beta1^t)`` and ``1 / sqrt(1 - beta2^t)`` for the step number ``t``. A
+    named tuple (made every step of every layer: a frozen dataclass's construction cost 10 us of Python)."""
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -331,10 +331,13 @@ def bias_values(bias: torch.Tensor, scale64: torch.Tensor, scale32: torch.Tensor
     float32, the bias's shape. ``bias``: contiguous float32 CPU; ``scale64`` / ``scale32``: the scale as float64 /
     float32, one element or one per bias element. One call instead of nine torch operations."""
     n = bias.numel()
-    s64, s32 = scale64.reshape(-1).contiguous(), scale32.reshape(-1).contiguous()
+    if scale64.dim() != 1 or not scale64.is_contiguous():
+        scale64 = scale64.reshape(-1).contiguous()
+    if scale32.dim() != 1 or not scale32.is_contiguous():
+        scale32 = scale32.reshape(-1).contiguous()
     bq, keep = torch.empty_like(bias), torch.empty_like(bias)
-    library().qt_bias_values(n, bias.data_ptr(), s64.data_ptr(), s32.data_ptr(), 0 if s64.numel() == 1 else 1,
-                             float(qmin), float(qmax), bq.data_ptr(), keep.data_ptr())
+    library().qt_bias_values(n, bias.data_ptr(), scale64.data_ptr(), scale32.data_ptr(),
+                             0 if scale64.numel() == 1 else 1, float(qmin), float(qmax), bq.data_ptr(), keep.data_ptr())
     return bq, keep
 
 

@@ -30,6 +30,7 @@ turns NaN stops that layer and restores it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import math
@@ -46,6 +47,7 @@ from ..errors import ConfigError, DataError
 from ..heap import large_tensor_heap
 from ..precision import float32_exact
 from .adaquant import AdaQuantStep, adaquant_step
+from .cpu_steps import AdamMoments
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, _elementwise_into, activation_clamp,
                              float_twin, in_graph_order, output_sse, reference_twin, sample_count,
@@ -663,7 +665,12 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # a small Gram-matrix layer: the iterations that read no loss in one C call
     fused = (_FusedGramIteration.of(quad, steps, opt, s) or _FusedGramAdaRound.of(quad, steps, opt, s)) \
         if lossfn is quad and rows is not None else None
+    # a written-out loss with the written-out steps records no graph: the whole loop without autograd (their methods
+    # then skip entering a no-grad context of their own each call); the Gram matrices' autograd backward and the
+    # forward path need it
+    grad_mode = torch.no_grad() if lossfn is not None and steps is not None else contextlib.nullcontext()
     t_loop, c_loop = time.perf_counter(), time.thread_time()
+    grad_mode.__enter__()
     try:
         for it in it_bar:
             want_loss = ((it + 1) % DIVERGENCE_CHECK == 0 or it + 1 == s.num_iterations or (s.early_stop and it >= warm)
@@ -743,6 +750,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         break
                     best = mean
     finally:
+        grad_mode.__exit__(None, None, None)
         for _, pqs in steps or ():
             for pq in pqs:
                 pq.override = None
@@ -1075,25 +1083,29 @@ class _FusedAdam:
                                  torch.zeros((), dtype=torch.float32, device=p.device))
         return self.state[id(p)]
 
-    @torch.no_grad()
     def fused_moments(self, p: torch.Tensor):
         """This step's :class:`~qtorch_onnx.algorithms.cpu_steps.AdamMoments` for ``p`` (a contiguous float32 CPU
         parameter of this optimizer), its step count advanced: for the written-out steps that take Adam's step
         themselves, in the pass that computes the gradient (cpu_steps.c). The same state and bias corrections
-        as :meth:`step`; the arithmetic is torch.optim.Adam's, the bits may differ in the last place."""
-        from .cpu_steps import AdamMoments
-
-        exp_avg, exp_avg_sq, _ = self._state(p)
-        t = self.counts[id(p)] = self.counts.get(id(p), 0) + 1  # the host's count; step() syncs the tensor's
-        self._stale.add(id(p))
-        return AdamMoments(exp_avg, exp_avg_sq, 0.9, 0.999, 1e-8, self.lr / (1.0 - 0.9 ** t),
+        as :meth:`step`; the arithmetic is torch.optim.Adam's, the bits may differ in the last place. (No autograd
+        context needed: nothing here records a graph; called once per tensor and step.)"""
+        key = id(p)
+        state = self.state.get(key)
+        if state is None:
+            state = self._state(p)
+        t = self.counts[key] = self.counts.get(key, 0) + 1  # the host's count; step() syncs the tensor's
+        self._stale.add(key)
+        return AdamMoments(state[0], state[1], 0.9, 0.999, 1e-8, self.lr / (1.0 - 0.9 ** t),
                            1.0 / math.sqrt(1.0 - 0.999 ** t))
 
-    @torch.no_grad()
     def step(self) -> None:
         ps = [p for p in self.params if p.grad is not None]
-        if not ps:
+        if not ps:  # every tensor stepped by its written-out step already (fused_moments)
             return
+        with torch.no_grad():
+            self._step(ps)
+
+    def _step(self, ps: List[torch.Tensor]) -> None:
         st = [self._state(p) for p in ps]
         for p, t in zip(ps, st):
             if id(p) in self._stale:  # counted by fused_moments only so far: the tensor takes the host's count
