@@ -118,18 +118,34 @@ def thread_pool(state: dict, prefix: str):
 def split(fn: Callable, count: int, pool, args_of: Callable) -> None:
     """``fn(*args_of(i, a, b))`` over ``count`` items cut into ``[a, b)`` ranges (``i``: the range's index): one call
     without ``pool`` (:func:`thread_pool`'s result), else one range per worker, waited for."""
-    parts = 1 if pool is None else min(pool[1], count)
+    if pool is None:  # one range: no cut lists (this runs on every C call of the finetune loops)
+        if count > 0:
+            fn(*args_of(0, 0, count))
+        return
+    parts = min(pool[1], count)
     cuts = [count * i // parts for i in range(parts + 1)]
     ranges = [(i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
-    if pool is None:
-        for i, a, b in ranges:
-            fn(*args_of(i, a, b))
-        return
     for f in [pool[0].submit(fn, *args_of(i, a, b)) for i, a, b in ranges]:
         f.result()
 
 
 _load_lock = threading.Lock()
+# the environment's bytes on POSIX (os.environ's own store, which os.environ / putenv keep current): a switch read
+# there costs a dictionary lookup instead of os.environ.get's encoding and decoding (load runs on every C call of the
+# finetune loops, ten-odd a step)
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEYS: dict = {}
+
+
+def _switch(name: str) -> str:
+    """The environment variable ``name``'s value, ``"1"`` when unset."""
+    if _ENV_DATA is not None:
+        key = _ENV_KEYS.get(name)
+        if key is None:
+            key = _ENV_KEYS[name] = os.fsencode(name)
+        v = _ENV_DATA.get(key)
+        return "1" if v is None else os.fsdecode(v)
+    return os.environ.get(name, "1")
 
 
 def load(state: dict, env_switch: str, source: Path, name: str, version: int, declare: Callable[[ctypes.CDLL], None],
@@ -140,7 +156,7 @@ def load(state: dict, env_switch: str, source: Path, name: str, version: int, de
     types. None when ``$<env_switch>`` is ``0`` (not kept: the switch is read on every call), there is no C
     compiler, or the build, load or version check fails: then a RuntimeWarning ``"<what> are unavailable (<why>);
     <fallback>"`` is issued once. Thread-safe; without a lock once loaded."""
-    if os.environ.get(env_switch, "1").strip() == "0":
+    if _switch(env_switch).strip() == "0":
         return None
     if "lib" in state:  # loaded (or failed) once: no lock on the hot path
         return state["lib"]

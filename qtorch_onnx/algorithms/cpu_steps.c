@@ -34,6 +34,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -927,15 +928,22 @@ __attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_
 
 /* rows b in [b0, b1) of the mini-batch: the kept outputs p0[idx[b]] plus the bias against target[idx[b]] (each
  * row ch * plane floats), the gradient into g's row b, sse[b] the row's sum, gsum[b * ch + c] (gsum not NULL) its
- * channels' gradient sums */
+ * channels' gradient sums. With by_channel, x (not NULL: the layer's input [n, xc, plane]) is gathered the same way
+ * into xg ([xc, nb, plane]: the mini-batch's input rows side by side per channel, the weight gradient's other
+ * operand) */
 void qt_act_residual_kept(int64_t b0, int64_t b1, int64_t ch, int64_t plane, const float *p0, const float *bias,
                           float *g, const float *target, const int64_t *idx, float lo, float hi, float wlo, float whi,
-                          float gscale, double *sse, double *gsum, int64_t nb, int64_t by_channel) {
+                          float gscale, double *sse, double *gsum, int64_t nb, int64_t by_channel, const float *x,
+                          int64_t xc, float *xg) {
     int64_t len = ch * plane;
-    for (int64_t b = b0; b < b1; b++) /* g: [nb, ch, plane], or [ch, nb, plane] with by_channel */
+    for (int64_t b = b0; b < b1; b++) { /* g: [nb, ch, plane], or [ch, nb, plane] with by_channel */
         sse[b] = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias, by_channel ? g + b * plane : g + b * len,
                                        by_channel ? nb * plane : plane, target + idx[b] * len, lo, hi, wlo, whi,
                                        gscale, gsum ? gsum + b * ch : NULL);
+        if (by_channel && x)
+            for (int64_t c = 0; c < xc; c++)
+                memcpy(xg + (c * nb + b) * plane, x + (idx[b] * xc + c) * plane, (size_t)plane * sizeof(float));
+    }
 }
 
 /* ------------------------------------------------------------------------------ small Gram-matrix layers */
@@ -2018,4 +2026,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 24; }
+int qt_cpu_steps_version(void) { return 25; }

@@ -42,7 +42,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 24
+_VERSION = 25
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -66,7 +66,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_kept_diff.argtypes = [i64, ptr, ptr, i64, ptr, ptr]
     lib.qt_kept_diff.restype = i64
     lib.qt_kept_replay.argtypes = [i64, i64, ptr, ptr] + [i64] * 4 + [ptr] * 4
-    lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2
+    lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2 + [ptr, i64, ptr]
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
     lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 7
@@ -421,14 +421,18 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     return sse
 
 
-def kept_diff(w: torch.Tensor, w0: torch.Tensor, at: torch.Tensor, d: torch.Tensor) -> int:
+def kept_diff(w: torch.Tensor, w0: torch.Tensor, at: torch.Tensor, d: torch.Tensor, offset: int = 0,
+              cap: Optional[int] = None) -> int:
     """The entries where a 1x1 layer's weight changed (``qt_kept_diff``, DirectLayerLoss's ``incremental``): for
     ``w`` and ``w0`` (contiguous float32 ``[O, C]``) the flat indices ``o C + c`` where ``w != w0`` as floats, in
-    row-major order, go into ``at`` (contiguous int64) and the differences ``w - w0`` into ``d`` (contiguous float32),
-    and ``w0`` takes ``w``'s values there. Returns how many entries differ; when that is more than ``at.numel()``,
-    ``w0`` is left as it was (and ``at`` / ``d`` hold the first ones)."""
-    cap = min(at.numel(), d.numel())
-    return int(library().qt_kept_diff(w.numel(), w.data_ptr(), w0.data_ptr(), cap, at.data_ptr(), d.data_ptr()))
+    row-major order, go into ``at`` (contiguous int64) and the differences ``w - w0`` into ``d`` (contiguous float32)
+    from element ``offset`` on, at most ``cap`` of them (None: as many as fit), and ``w0`` takes ``w``'s values there.
+    Returns how many entries differ; when that is more than ``cap``, ``w0`` is left as it was (and ``at`` / ``d`` hold
+    the first ones)."""
+    room = min(at.numel(), d.numel()) - offset
+    cap = room if cap is None else min(cap, room)
+    return int(library().qt_kept_diff(w.numel(), w.data_ptr(), w0.data_ptr(), cap, at.data_ptr() + 8 * offset,
+                                      d.data_ptr() + 4 * offset))
 
 
 def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start: Sequence[int], end: int,
@@ -443,36 +447,41 @@ def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start
     b = len(samples)
     if not b:
         return
-    ss = torch.tensor(list(samples), dtype=torch.int64)
-    st = torch.tensor(list(start), dtype=torch.int64)
-    work = sum(end - v for v in start) * p
-    pool = _pool() if b > 1 and work >= PARALLEL_MIN else None
+    ss = (ctypes.c_int64 * b)(*samples)
+    st = (ctypes.c_int64 * b)(*start)
+    pool = _pool() if b > 1 and (b * end - sum(start)) * p >= PARALLEL_MIN else None
     native.split(library().qt_kept_replay, b, pool,
-                 lambda i, a, e: (a, e, ss.data_ptr(), st.data_ptr(), end, o, c, p, at.data_ptr(), d.data_ptr(),
-                                  x.data_ptr(), p0.data_ptr()))
+                 lambda i, a, e: (a, e, ss, st, end, o, c, p, at.data_ptr(), d.data_ptr(), x.data_ptr(),
+                                  p0.data_ptr()))
 
 
 def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,
                       target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float, gscale: float,
-                      channel_sums: bool, by_channel: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      channel_sums: bool, by_channel: bool = False, x: Optional[torch.Tensor] = None,
+                      xg: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`act_residual` from kept outputs (``qt_act_residual_kept``): the pre-activation values of the rows
     ``idx`` (contiguous int64 ``[B]``) are ``p0[idx] + bias`` (``p0`` contiguous float32 ``[N, O, P]``, read only;
     ``bias`` float32 ``[O]`` or None), their output gradient goes into ``g`` (contiguous float32 ``[B, O, P]``),
     ``target`` as there (``[N, O, P]``). Returns ``sum r^2`` per row (float64 ``[B]``) and, with ``channel_sums``,
     each row's per-channel sums of the gradient (float64 ``[B, O]``: the bias gradient's), else None.
     ``by_channel``: ``g`` is ``[O, B, P]`` instead (each channel's rows of the mini-batch side by side: the weight
-    gradient is then one product ``g [O, B P] x [B P, C]``), the same values. Rows are split between torch's
-    intra-op threads."""
+    gradient is then one product ``g [O, B P] x [B P, C]``), the same values; with ``x`` (the layer's input,
+    contiguous float32 ``[N, C, P]``) and ``xg`` (contiguous float32 ``[C, B, P]``) the rows ``idx`` of ``x`` are
+    gathered into ``xg`` the same way in the same pass (that product's other operand). Rows are split between
+    torch's intra-op threads."""
     b = idx.numel()
     o, p = p0.shape[1], p0.shape[2]
     sse = torch.empty(b, dtype=torch.float64)
     gsum = torch.empty(b, o, dtype=torch.float64) if channel_sums else None
-    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.requires_grad):
+        bias = bias.detach().to(torch.float32).contiguous()
+    gather = by_channel and x is not None and xg is not None
     pool = _pool() if b > 1 and g.numel() >= PARALLEL_MIN else None
     native.split(library().qt_act_residual_kept, b, pool,
                  lambda i, a, e: (a, e, o, p, p0.data_ptr(), _ptr(bias), g.data_ptr(), target.data_ptr(),
                                   idx.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
-                                  sse.data_ptr(), _ptr(gsum), b, int(by_channel)))
+                                  sse.data_ptr(), _ptr(gsum), b, int(by_channel), _ptr(x) if gather else None,
+                                  x.shape[1] if gather else 0, _ptr(xg) if gather else None))
     return sse, gsum
 
 

@@ -24,6 +24,7 @@ from torch import fx, nn
 
 from ..errors import ConfigError, DataError
 from ..fakequant import quantization_off
+from . import cpu_steps
 from .gemm import ONEDNN_MIN_MACS, matmul_nt
 
 __all__ = ["StagedExecutor", "LayerData", "QuadraticLayerLoss", "DirectLayerLoss", "activation_clamp", "float_twin",
@@ -298,8 +299,6 @@ def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) 
         (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
         if ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1) < STAGED_DEPTHWISE_MIN_PLANE:
             return None
-        from . import cpu_steps
-
         if not cpu_steps.available():
             return None
         bias = module.bias
@@ -828,8 +827,6 @@ def _fused_depthwise(module: nn.Module, x: torch.Tensor, length: int):
     ho, wo = (x.shape[2] + 2 * ph - kh) // sh + 1, (x.shape[3] + 2 * pw - kw) // sw + 1
     if wo < FUSED_DEPTHWISE_MIN_WIDTH or ho * wo != length:
         return None
-    from . import cpu_steps
-
     return (pw, pw, ph, ph, ho, wo) if cpu_steps.available() else None
 
 
@@ -956,8 +953,6 @@ class QuadraticLayerLoss:
         # (cpu_steps.gram_gradient, whose products skip the zeros of dw), the scratch for it
         self._small = None
         if dev.type == "cpu" and (sparse or g * (out // g) * k * k <= SMALL_GRAM_MACS):
-            from . import cpu_steps
-
             if cpu_steps.available():
                 self._small = torch.empty(cpu_steps.gram_scratch_size(sum(sizes), g, out, k), dtype=f32)
         fused = _fused_depthwise(module, x, length)
@@ -973,8 +968,6 @@ class QuadraticLayerLoss:
         self.rows_filled = 0  # rows of H filled lazily (per sample)
         cpu_fused = dev.type == "cpu" and target.dtype == f32 and target.is_contiguous()
         if cpu_fused:
-            from . import cpu_steps
-
             cpu_fused = cpu_steps.available()
         with torch.no_grad():
             own = _own_forward(module)
@@ -1003,8 +996,6 @@ class QuadraticLayerLoss:
                 gg = self.G[a:a + m] if into else torch.empty(m, g, out // g, k, dtype=f32, device=dev)
                 sv = torch.empty(m, g, k, dtype=f32, device=dev) if self.train_bias else None
                 if fused is not None:  # depthwise: sliding sums over the padded planes, no im2col (cpu_steps.c)
-                    from . import cpu_steps
-
                     xp = torch.nn.functional.pad(xs.to(f32), fused[:4]).contiguous()
                     cpu_steps.depthwise_gram(xp, module.kernel_size, module.stride, fused[4:],
                                              rc.reshape(m, g, out // g, length).contiguous(), h, gg, sv)
@@ -1196,8 +1187,6 @@ class QuadraticLayerLoss:
 
     def _gradient_c(self, idx, weight: torch.Tensor, factor: float, bias: Optional[torch.Tensor], want_loss: bool):
         """:meth:`gradient` on the C path (``self._small``): one call, rows of a lazily built H filled first."""
-        from . import cpu_steps
-
         ids = idx.tolist() if isinstance(idx, torch.Tensor) else idx
         g, k, out = self.groups, self.k, self.out
         f = factor / (len(ids) * self.denominator)
@@ -1283,8 +1272,6 @@ def output_sse(outputs: Sequence[Any], target: torch.Tensor, lo: float = -math.i
                and o.device == target.device for o in outputs) or sum(o.shape[0] for o in outputs) != target.shape[0] \
             or target.dtype != torch.float32:
         return None
-    from . import cpu_steps
-
     fused = target.device.type == "cpu" and target.is_contiguous() and cpu_steps.available()
     parts, start = [], 0
     for o in outputs:
@@ -1363,8 +1350,6 @@ class DirectLayerLoss:
             self.conv = torch.nn.functional.conv1d if isinstance(module, nn.Conv1d) else \
                 torch.nn.functional.conv2d
             self.args = (list(module.stride), list(module.padding), list(module.dilation), module.groups)
-        from . import cpu_steps
-
         self.fused = x.device.type == "cpu" and cpu_steps.available()
         self.identity = clamp[0] == -math.inf and clamp[1] == math.inf
         # a depthwise Conv2d (one output per channel, dilation 1) on the CPU: cpu_steps' forward and weight gradient
@@ -1390,6 +1375,7 @@ class DirectLayerLoss:
         self._prep = None  # depthwise: the input rearranged for the C kernel (_prepared), False when not kept
         self.incremental = bool(incremental and self.pointwise)
         self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
+        self._xg: Optional[torch.Tensor] = None  # [C, B, H * W]: the mini-batch's input rows (by_channel steps)
         self._w0: Optional[torch.Tensor] = None  # [O, C]: the weight self._p0 holds the outputs of
         # the kept outputs' change log (_track): flat indices and differences, its length, and how much of it each
         # sample's rows of self._p0 hold
@@ -1413,8 +1399,6 @@ class DirectLayerLoss:
         would take more than ``DEPTHWISE_PREPARED_MAX_BYTES`` (the kernel then arranges each mini-batch's planes
         itself: the same bits)."""
         if self._prep is None:
-            from . import cpu_steps
-
             m = self.module
             fits = cpu_steps.depthwise_prepared_bytes(self.x, m.kernel_size, m.stride, m.padding) \
                 <= DEPTHWISE_PREPARED_MAX_BYTES
@@ -1447,16 +1431,13 @@ class DirectLayerLoss:
         xv = self.x.view(n, c, p)
         cap = int(INCREMENTAL_MAX_CHANGED * o * c)
         if self._p0 is not None and self.fused:
-            from . import cpu_steps
-
             if self._log_at is None:
                 self._log_at = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.int64)
                 self._log_d = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.float32)
             if self._log_len + cap > self._log_at.numel():  # no room for a step's worth: every sample caught up
                 self._replay(None)
                 self._log_len, self._seen = 0, [0] * n
-            k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at[self._log_len:self._log_len + cap],
-                                    self._log_d[self._log_len:self._log_len + cap])
+            k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at, self._log_d, self._log_len, cap)
             if k <= cap:
                 self._log_len += k
                 self._replay(ids)
@@ -1484,8 +1465,6 @@ class DirectLayerLoss:
         """Bring the kept outputs of the samples ``ids`` (None: all) up to date with the change log (:meth:`_track`)."""
         if not self._log_len:
             return
-        from . import cpu_steps
-
         n = self.x.shape[0]
         todo = sorted({i for i in (range(n) if ids is None else ids) if self._seen[i] < self._log_len})
         if todo:
@@ -1510,8 +1489,6 @@ class DirectLayerLoss:
         """``(pre, xb)``: the layer's output before the activation for the samples ``ids`` (contiguous float32;
         for a depthwise layer the reused buffer, and ``xb`` None), and the batch of inputs it read."""
         if self.depthwise:
-            from . import cpu_steps
-
             m = self.module
             out = self._out if self._out is not None and self._out.shape[0] == ids.numel() else None
             self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), bias, m.kernel_size, m.stride,
@@ -1532,8 +1509,6 @@ class DirectLayerLoss:
         """``(sse, g)``: ``sum r^2`` (0-d float64) of ``r = act(pre) - target[ids]`` and the output gradient
         ``gscale * r * act'(pre)`` (in ``pre``'s memory on a CPU)."""
         if self.fused:
-            from . import cpu_steps
-
             sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, gscale)
             return sse.sum(), pre
         a = pre if self.identity else pre.clamp(self.lo, self.hi)
@@ -1560,8 +1535,6 @@ class DirectLayerLoss:
         ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
         f = factor / (ids.numel() * self.denominator)
         if self.depthwise:  # forward, residual and gradients plane by plane in one C call, nothing written out
-            from . import cpu_steps
-
             m = self.module
             gw, gb, sse = cpu_steps.depthwise_direct(
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
@@ -1570,18 +1543,22 @@ class DirectLayerLoss:
             return gw, gb, (sse * f if want_loss else None)
         gb, by_channel = None, False
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
-            from . import cpu_steps
-
             p0 = self._track(weight, ids.tolist())
             o, p = p0.shape[1], p0.shape[2]
             # on small planes the mini-batch's rows side by side per channel ([O, B, P]): the weight gradient is one
             # product over B P positions instead of B products and their sum (KEPT_CONCAT_MAX_PLANE)
             by_channel = ids.numel() > 1 and p <= KEPT_CONCAT_MAX_PLANE
             g = self._buffer((o, ids.numel(), p) if by_channel else (ids.numel(), o, p))
+            xg = None
+            if by_channel:  # the mini-batch's input rows side by side per channel, gathered in the same C pass
+                shape = (self.x.shape[1], ids.numel(), p)
+                if self._xg is None or self._xg.shape != shape:
+                    self._xg = torch.empty(shape, dtype=torch.float32)
+                xg = self._xg
             rows, gsum = cpu_steps.act_residual_kept(p0, ids, self.bias if bias is None else bias, g,
                                                      self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f,
-                                                     bias is not None, by_channel=by_channel)
-            sse, xb = rows.sum(), None
+                                                     bias is not None, by_channel=by_channel, x=self.x, xg=xg)
+            sse, xb = (rows.sum() if want_loss else None), None
             if gsum is not None:
                 gb = gsum.sum(0).to(torch.float32)
         else:
@@ -1589,9 +1566,7 @@ class DirectLayerLoss:
             pre, xb = forward(ids, weight, self.bias if bias is None else bias)
             sse, g = self._residual(pre, ids, 2.0 * f)
         if by_channel:  # g [O, B, P]: one product [O, B P] x [B P, C] over the mini-batch's positions
-            c, p = self.x.shape[1], g.shape[2]
-            xc = self.x.view(self.x.shape[0], c, p).index_select(0, ids).transpose(0, 1).reshape(c, -1)
-            gw = matmul_nt(g.view(g.shape[0], -1), xc).reshape(weight.shape)
+            gw = matmul_nt(g.view(g.shape[0], -1), xg.view(xg.shape[0], -1)).reshape(weight.shape)
         elif self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each
             c, p = self.x.shape[1], g[0].numel() // g.shape[1]
             gw = None
@@ -1661,8 +1636,6 @@ class DirectLayerLoss:
         weight, bias = self._current()
         ids = list(range(self.x.shape[0])) if idx is None else list(idx)
         if self.depthwise:  # one C call, no output written out (the forward and residual passes' arithmetic)
-            from . import cpu_steps
-
             m = self.module
             sse = cpu_steps.depthwise_direct(self.x, torch.tensor(ids, dtype=torch.int64), weight.contiguous(), bias,
                                              m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
