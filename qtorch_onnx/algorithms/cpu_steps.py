@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -619,7 +619,8 @@ def depthwise_prepare(x: torch.Tensor, target: torch.Tensor, kernel, stride, pad
 def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
                      gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None,
-                     prepared: Optional[DepthwisePrepared] = None):
+                     prepared: Optional[DepthwisePrepared] = None, workspace: Optional[dict] = None,
+                     want_sse: bool = True):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -631,44 +632,68 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     ``grads=False``: the loss alone (``gw`` and ``gb`` None, no weight-gradient pass), the forward path's loss
     without its output written out. ``prepared``: :func:`depthwise_prepare`'s arrangement of these ``x`` and
     ``target`` with this geometry, read instead of arranging the mini-batch's planes per call (the same bits; its
-    route, blocked or not, is the one taken). Channels are split between torch's threads."""
-    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    route, blocked or not, is the one taken). ``workspace``: a dict the caller keeps between calls of one layer,
+    where the kernels' scratch buffers are kept (instead of allocated per call; their contents are not read across
+    calls). ``want_sse=False``: ``sse`` is None (not summed). Channels are split between torch's threads."""
+    geometry = _depthwise_geometry(x, kernel, stride, padding)
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = geometry
     b, c = idx.numel(), x.shape[1]
     if prepared is not None:
         blocked = prepared.blocked
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64)
-    bias_c = None if bias is None else bias.contiguous()
+    bias_c = None if bias is None or bias.is_contiguous() else bias.contiguous()
     if blocked is None:
         blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    work = b * c * ho * wo * kh * kw
     if blocked:  # GB channels per vector (qt_depthwise_direct_blocked)
         nblk = -(-c // _GB)
-        pool = _pool() if nblk > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
+        pool = _pool() if nblk > 1 and work >= PARALLEL_MIN else None
         parts = 1 if pool is None else min(pool[1], nblk)
         hp, wp, k = h + 2 * ph, w + 2 * pw, kh * kw
-        xs = torch.empty(parts, hp * wp * _GB if prepared is None else 0, dtype=torch.float32)
-        ts = torch.empty(parts, ho * wo * _GB if prepared is None else 0, dtype=torch.float32)
+        sizes = ((hp * wp * _GB if prepared is None else 0, torch.float32),
+                 (ho * wo * _GB if prepared is None else 0, torch.float32), (k * _GB, torch.float32),
+                 (ho * wo * _GB, torch.float32), ((k + 2) * _GB, torch.float64))
+        xs, ts, wb, prow, tot = _scratch(workspace, ("blocked", parts, sizes), parts, sizes)
         xs_all, ts_all = (None, None) if prepared is None else (prepared.xs.data_ptr(), prepared.ts.data_ptr())
-        wb = torch.empty(parts, k * _GB, dtype=torch.float32)
-        prow = torch.empty(parts, ho * wo * _GB, dtype=torch.float32)
-        tot = torch.empty(parts, (k + 2) * _GB, dtype=torch.float64)
         native.split(library().qt_depthwise_direct_blocked, nblk, pool,
                      lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
-                                      weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi),
-                                      float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
-                                      xs[i].data_ptr(), ts[i].data_ptr(), wb[i].data_ptr(), prow[i].data_ptr(),
-                                      tot[i].data_ptr(), xs_all, ts_all))
-        return gw, gb, sse.sum()
-    pool = _pool() if c > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
+                                      weight.data_ptr(), _ptr(bias_c if bias_c is not None else bias),
+                                      target.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
+                                      _ptr(gw), _ptr(gb), sse.data_ptr(), _row(xs, i), _row(ts, i), _row(wb, i),
+                                      _row(prow, i), _row(tot, i), xs_all, ts_all))
+        return gw, gb, (sse.sum() if want_sse else None)
+    pool = _pool() if c > 1 and work >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
-    scratch = torch.zeros(parts, scratch_len if prepared is None else 0, dtype=torch.float32)
-    plane = torch.empty(parts, ho * wo, dtype=torch.float32)
-    tot = torch.empty(parts, kh * kw, dtype=torch.float64)
+    sizes = ((scratch_len if prepared is None else 0, torch.float32), (ho * wo, torch.float32),
+             (kh * kw, torch.float64))
+    scratch, plane, tot = _scratch(workspace, ("planes", parts, sizes), parts, sizes)
+    if prepared is None:
+        scratch.zero_()  # zeros past the phases the kernel writes (its vector loads read them)
     phases = None if prepared is None else prepared.phases.data_ptr()
     native.split(library().qt_depthwise_direct, c, pool,
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
-                                  weight.data_ptr(), _ptr(bias_c), target.data_ptr(), float(lo), float(hi), float(wlo),
-                                  float(whi), float(gscale), _ptr(gw), _ptr(gb), sse.data_ptr(),
-                                  scratch[i].data_ptr(), plane[i].data_ptr(), tot[i].data_ptr(), phases))
-    return gw, gb, sse.sum()
+                                  weight.data_ptr(), _ptr(bias_c if bias_c is not None else bias), target.data_ptr(),
+                                  float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb),
+                                  sse.data_ptr(), _row(scratch, i), _row(plane, i), _row(tot, i), phases))
+    return gw, gb, (sse.sum() if want_sse else None)
+
+
+def _scratch(workspace: Optional[dict], key, parts: int, sizes) -> List[torch.Tensor]:
+    """Per-thread scratch buffers ``[parts, size]`` of ``sizes`` ((elements, dtype) pairs): from ``workspace`` under
+    ``key`` when it holds them, else new (and kept there when a workspace is given)."""
+    if workspace is not None:
+        bufs = workspace.get(key)
+        if bufs is not None:
+            return bufs
+    bufs = [torch.empty(parts, n, dtype=dt) for n, dt in sizes]
+    if workspace is not None:
+        workspace.clear()  # one geometry per layer: a new key replaces the old buffers
+        workspace[key] = bufs
+    return bufs
+
+
+def _row(t: torch.Tensor, i: int) -> int:
+    """The address of row ``i`` of the contiguous 2-D ``t`` (no view made)."""
+    return t.data_ptr() + i * t.shape[1] * t.element_size()

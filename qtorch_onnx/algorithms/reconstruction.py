@@ -1376,6 +1376,7 @@ class DirectLayerLoss:
         self.incremental = bool(incremental and self.pointwise)
         self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
         self._xg: Optional[torch.Tensor] = None  # [C, B, H * W]: the mini-batch's input rows (by_channel steps)
+        self._workspace: dict = {}  # depthwise: the C kernel's scratch buffers, kept between steps
         self._w0: Optional[torch.Tensor] = None  # [O, C]: the weight self._p0 holds the outputs of
         # the kept outputs' change log (_track): flat indices and differences, its length, and how much of it each
         # sample's rows of self._p0 hold
@@ -1539,7 +1540,7 @@ class DirectLayerLoss:
             gw, gb, sse = cpu_steps.depthwise_direct(
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
                 m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None,
-                prepared=self._prepared())
+                prepared=self._prepared(), workspace=self._workspace, want_sse=want_loss)
             return gw, gb, (sse * f if want_loss else None)
         gb, by_channel = None, False
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
