@@ -160,7 +160,9 @@ class AdaQuantStep:
             # Adam rejects any other layout
             self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
         if self.bias is not None:
-            gb = grads[1].reshape(self.bias.shape)
+            gb = grads[1]
+            if gb.shape != self.bias.shape:
+                gb = gb.reshape(self.bias.shape)
             if bias_mask.dtype == torch.float32 and moments is not None:  # the fused bias: Adam in one call
                 cpu_steps.masked_adam(self.bias, gb.contiguous(), bias_mask, moments(self.bias))
                 self.bias.grad = None

@@ -808,6 +808,30 @@ void qt_act_sse(int64_t b0, int64_t b1, int64_t len, const float *pre, const flo
         sse[b] = act_sse_row(len, pre + b * len, target + idx[b] * len, lo, hi);
 }
 
+/* qt_all_finite: 1 when none of the m floats of x is NaN or infinite (exponent bits all ones), else 0; 16 at a
+ * time as integers (fast finetune's divergence check of the trained tensors) */
+int64_t qt_all_finite(int64_t m, const float *x) {
+    typedef uint32_t vu8 __attribute__((vector_size(8 * sizeof(uint32_t))));
+    const vu8 expo = (vu8){0} + 0x7f800000u;
+    vu8 bad = (vu8){0};
+    int64_t q = 0;
+    for (; q + 16 <= m; q += 16) {
+        vu8 a0, a1;
+        __builtin_memcpy(&a0, x + q, sizeof a0);
+        __builtin_memcpy(&a1, x + q + 8, sizeof a1);
+        bad |= (vu8)((a0 & expo) == expo) | (vu8)((a1 & expo) == expo);
+    }
+    uint32_t any = 0;
+    for (int t = 0; t < 8; t++)
+        any |= bad[t];
+    for (; q < m; q++) {
+        uint32_t u;
+        __builtin_memcpy(&u, x + q, sizeof u);
+        any |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return any == 0;
+}
+
 /* ------------------------------------------------------------------------ kept outputs (incremental) */
 /* DirectLayerLoss(incremental=True): every sample's outputs before the bias, p0 ([n, o, p]: conv(x, w0) of a 1x1
  * convolution, w0 [o, c]), moved by a sparse change of the weight.
@@ -2026,4 +2050,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 25; }
+int qt_cpu_steps_version(void) { return 26; }

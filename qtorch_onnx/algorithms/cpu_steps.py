@@ -36,13 +36,13 @@ from .. import native
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
-           "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
+           "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay", "all_finite",
            "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 25
+_VERSION = 26
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -64,6 +64,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
     lib.qt_act_sse.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr]
     lib.qt_kept_diff.argtypes = [i64, ptr, ptr, i64, ptr, ptr]
+    lib.qt_all_finite.argtypes = [i64, ptr]
+    lib.qt_all_finite.restype = i64
     lib.qt_kept_diff.restype = i64
     lib.qt_kept_replay.argtypes = [i64, i64, ptr, ptr] + [i64] * 4 + [ptr] * 4
     lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2 + [ptr, i64, ptr]
@@ -419,6 +421,12 @@ def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo:
     native.split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
                                          float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
     return sse
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` (contiguous float32 on the CPU) is finite (``qt_all_finite``: one read-only
+    pass over the bits)."""
+    return bool(library().qt_all_finite(t.numel(), t.data_ptr()))
 
 
 def kept_diff(w: torch.Tensor, w0: torch.Tensor, at: torch.Tensor, d: torch.Tensor, offset: int = 0,

@@ -47,6 +47,7 @@ from ..errors import ConfigError, DataError
 from ..heap import large_tensor_heap
 from ..precision import float32_exact
 from .adaquant import AdaQuantStep, adaquant_step
+from . import cpu_steps
 from .cpu_steps import AdamMoments
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, _elementwise_into, activation_clamp,
@@ -796,8 +797,6 @@ class _FusedGram:
         """The layer's one written-out step when a fused iteration can replace the loop's: a small Gram-matrix
         layer (``quad._small``), one layer and one mini-batch per step, an optimizer with fused moments, the C
         library present; else None."""
-        from . import cpu_steps
-
         if quad is None or quad._small is None or steps is None or len(steps) != 1 or s.num_batches != 1 \
                 or not hasattr(opt, "fused_moments") or not cpu_steps.available():
             return None
@@ -813,8 +812,6 @@ class _FusedGram:
         length = quad._flat.shape[1]
         a.flat, a.len, a.g, a.o, a.k = quad._flat.data_ptr(), length, g, out // g, k
         a.w0 = quad.w0.data_ptr()
-        from . import cpu_steps
-
         a.acc, a.dw, a.cols = cpu_steps.gram_scratch_parts(quad._small, length, out, k)
         a.R = self.R.data_ptr()
         if hasattr(a, "filled"):
@@ -863,8 +860,6 @@ class _FusedGramIteration(_FusedGram):
         return _FusedGramIteration(quad, step, opt)
 
     def __init__(self, quad, step: AdaQuantStep, opt) -> None:
-        from . import cpu_steps
-
         super().__init__(quad, step, opt, cpu_steps.GramAdaQuantArgs)
         w = step.weight.detach()
         self.pairs = [(torch.empty_like(w), torch.empty_like(w)) for _ in range(2)]  # next (values, saturation mask)
@@ -886,8 +881,6 @@ class _FusedGramIteration(_FusedGram):
 
     def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
         """One iteration on the mini-batch ``idx`` (a list of sample indices); ``beta``: unused (AdaRound's)."""
-        from . import cpu_steps
-
         step, a = self.step, self.args
         nxt, step._next = step._next, None
         wq, outside = nxt if nxt is not None else \
@@ -921,8 +914,6 @@ class _FusedGramAdaRound(_FusedGram):
         return _FusedGramAdaRound(quad, step, opt, s.reg_param)
 
     def __init__(self, quad, step: AdaRoundStep, opt, reg_param: float) -> None:
-        from . import cpu_steps
-
         super().__init__(quad, step, opt, cpu_steps.GramAdaRoundArgs)
         self.reg_param = float(reg_param)
         alpha = step.alpha.detach()
@@ -933,8 +924,6 @@ class _FusedGramAdaRound(_FusedGram):
     def __call__(self, idx: List[int], beta: Optional[float] = None) -> None:
         """One iteration on the mini-batch ``idx`` (a list of sample indices), the regulariser at ``beta`` (None:
         the warm start, no regulariser)."""
-        from . import cpu_steps
-
         step, a = self.step, self.args
         wq, step._next = step._next, None
         a.sig_valid = int(wq is not None)  # the sigmoids kept with the weight of this iteration
@@ -981,6 +970,10 @@ def _finite(losses: Optional[torch.Tensor], params: List[torch.Tensor]) -> bool:
     only computed on the iterations that read them."""
     total = losses.double() if losses is not None else None
     for p in params:
+        if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and cpu_steps.available():
+            if not cpu_steps.all_finite(p):  # one read of the bits instead of a float64 sum
+                return False
+            continue
         s = p.detach().sum(dtype=torch.float64)
         total = s if total is None else total + s
     return total is None or bool(torch.isfinite(total))

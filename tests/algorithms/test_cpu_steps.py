@@ -854,3 +854,18 @@ def test_act_residual_kept_by_channel_is_the_same_gradient_transposed():
     s2, c2 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True)
     assert torch.equal(g2.transpose(0, 1).view(torch.int32), g1.view(torch.int32))
     assert torch.equal(s1, s2) and torch.equal(c1, c2)
+
+
+def test_all_finite_reads_every_element_and_the_tail():
+    """qt_all_finite (fast finetune's divergence check): NaN, +Inf and -Inf are found in the 16-element blocks and in
+    the tail, the largest finite floats, subnormals and signed zeros are finite."""
+    m = 16 * 5 + 3
+    x = torch.zeros(m)
+    x[1], x[2], x[3], x[4] = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 1e-45, -0.0
+    assert cpu_steps.all_finite(x)
+    for pos in (0, 17, 63, 79, 80, m - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[pos] = bad
+            assert not cpu_steps.all_finite(y), (pos, bad)
+    assert cpu_steps.all_finite(torch.empty(0))
