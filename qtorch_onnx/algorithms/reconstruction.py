@@ -1649,5 +1649,8 @@ class DirectLayerLoss:
         for a in range(0, len(ids), chunk):
             part = torch.tensor(ids[a:a + chunk], dtype=torch.int64)
             pre, _ = forward(part, weight, bias)
-            total += float(self._residual(pre, part, 0.0)[0])
+            # the loss alone: one read-only pass (act_sse: act_residual's sums without writing its gradient)
+            sse = cpu_steps.act_sse(pre, self.target, part, self.lo, self.hi).sum() if self.fused else \
+                self._residual(pre, part, 0.0)[0]
+            total += float(sse)
         return total / (len(ids) * self.denominator)
