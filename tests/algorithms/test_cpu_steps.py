@@ -446,6 +446,25 @@ def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, s
                                                        target, lo, hi, wlo, whi, 0.25, True, prepared=prep)
             assert torch.equal(pw_.view(torch.int32), gw.view(torch.int32)) and torch.equal(pb_, gb)
             assert float(ps_) == float(sse)
+        # scratch kept in a workspace between calls (as a layer's steps keep it), other mini-batches in between and a
+        # thread count that changes: the same bits as fresh buffers
+        for use_prep in (None, prep):
+            ws: dict = {}
+            for threads in (1, 2, 1):
+                torch.set_num_threads(threads)
+                for other in (torch.tensor([0, 2]), idx):
+                    fresh = cpu_steps.depthwise_direct(x, other, w, b, conv.kernel_size, conv.stride, conv.padding,
+                                                       target, lo, hi, wlo, whi, 0.25, True, blocked=blocked,
+                                                       prepared=use_prep)
+                    kept = cpu_steps.depthwise_direct(x, other, w, b, conv.kernel_size, conv.stride, conv.padding,
+                                                      target, lo, hi, wlo, whi, 0.25, True, blocked=blocked,
+                                                      prepared=use_prep, workspace=ws)
+                    assert torch.equal(kept[0].view(torch.int32), fresh[0].view(torch.int32))
+                    assert torch.equal(kept[1], fresh[1]) and float(kept[2]) == float(fresh[2])
+            assert ws  # the buffers were kept
+            assert cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding, target, lo, hi,
+                                              wlo, whi, 0.25, True, blocked=blocked, prepared=use_prep, workspace=ws,
+                                              want_sse=False)[2] is None
     finally:
         torch.set_num_threads(before)
 
@@ -854,6 +873,33 @@ def test_act_residual_kept_by_channel_is_the_same_gradient_transposed():
     s2, c2 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True)
     assert torch.equal(g2.transpose(0, 1).view(torch.int32), g1.view(torch.int32))
     assert torch.equal(s1, s2) and torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_act_residual_kept_gathers_the_inputs_side_by_side(threads):
+    """act_residual_kept(by_channel=True, x=, xg=) also gathers the mini-batch's input rows as [C, B, P] in the same
+    pass (the weight gradient's other operand): x[idx] transposed, bit for bit, repeated samples included, the rows
+    split between threads; the gradient and sums as without the gather."""
+    gen = torch.Generator().manual_seed(13)
+    n, o, c, p = 6, 40, 24, 1000  # a mini-batch's gradient of 2 x 40 x 1000 floats: past PARALLEL_MIN
+    p0 = torch.randn(n, o, p, generator=gen)
+    target = torch.randn(n, o, p, generator=gen).clamp(0.0, 1.0)
+    x = torch.randn(n, c, p, generator=gen)
+    x0 = x.clone()
+    idx = torch.tensor([5, 2, 5])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g1, g2 = torch.empty(o, 3, p), torch.empty(o, 3, p)
+        xg = torch.full((c, 3, p), float("nan"))
+        s1, c1 = cpu_steps.act_residual_kept(p0, idx, None, g1, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True)
+        s2, c2 = cpu_steps.act_residual_kept(p0, idx, None, g2, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True,
+                                             x=x, xg=xg)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(xg.view(torch.int32), x.index_select(0, idx).transpose(0, 1).contiguous().view(torch.int32))
+    assert torch.equal(g1.view(torch.int32), g2.view(torch.int32)) and torch.equal(s1, s2) and torch.equal(c1, c2)
+    assert torch.equal(x, x0)
 
 
 def test_all_finite_reads_every_element_and_the_tail():
