@@ -152,10 +152,14 @@ class AdaQuantStep:
             gw = gw.reshape(self.weight.shape)
         moments = getattr(optimizer, "fused_moments", None)
         if self.layout is not None and moments is not None:
+            # the next values without their mask: the next step recomputes it from the weight in its pass (8 bytes a
+            # weight less to write and read back)
             self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
-                                                 moments(self.weight), next_range=(self.lo, self.hi))
+                                                 moments(self.weight), next_range=(self.lo, self.hi), next_mask=False)
             self.weight.grad = None
         else:
+            if outside is None:  # values() from a fused step's next values: the mask of the same weight
+                outside = cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)[1]
             # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused
             # Adam rejects any other layout
             self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))

@@ -278,13 +278,26 @@ __attribute__((noinline)) static void adaquant_values_row(int64_t n, const float
     }
 }
 
-/* the integer weight and saturation mask of elements [e0, e1), row segment by row segment */
+/* adaquant_values_row without the mask (the fused step recomputes it: adaquant_adam_seg) */
+__attribute__((noinline)) static void adaquant_values_row_nomask(int64_t n, const float *restrict w, float scale,
+                                                                float zp, float lo, float hi, float *restrict out) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = rintf(w[i] / scale) + zp;
+        out[i] = (clampf(v, lo, hi) - zp) * scale;
+    }
+}
+
+/* the integer weight and saturation mask (outside NULL: not written) of elements [e0, e1), row segment by row
+ * segment */
 static void adaquant_values_range(int64_t e0, int64_t e1, int64_t channels, int64_t inner, const float *w,
                                   const float *scale, const float *zp, float lo, float hi, float *out,
                                   float *outside) {
     for (int64_t q = e0; q < e1;) {
         int64_t end = segment_end(q, inner, e1), c = (q / inner) % channels;
-        adaquant_values_row(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q, outside + q);
+        if (outside != NULL)
+            adaquant_values_row(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q, outside + q);
+        else
+            adaquant_values_row_nomask(end - q, w + q, scale[c], zp ? zp[c] : 0.0f, lo, hi, out + q);
         q = end;
     }
 }
@@ -298,21 +311,45 @@ __attribute__((noinline)) static void adaquant_adam_row(int64_t n, float *restri
         w[i] = adam_update(w[i], gwq[i] - gwq[i] * outside[i], m + i, v + i, b1, b2, eps, step, inv_c2);
 }
 
-/* ... over rows [r0, r1); with next / next_outside (not NULL), in chunks of ACH elements, each followed by the new
- * weight's values (adaquant_values_row, per row segment: the values call's bits) while the chunk is in cache */
+/* adaquant_adam_row with the saturation mask of the weight before the step recomputed from it (the values call's
+ * arithmetic: the same mask, so the same bits) instead of read from memory */
+__attribute__((noinline)) static void adaquant_adam_seg(int64_t n, float *restrict w, const float *restrict gwq,
+                                                       float *restrict m, float *restrict v, float b1, float b2,
+                                                       float eps, float step, float inv_c2, float scale, float zp,
+                                                       float lo, float hi) {
+    for (int64_t i = 0; i < n; i++) {
+        float q = rintf(w[i] / scale) + zp;
+        float outside = (float)((q < lo) | (q > hi));
+        w[i] = adam_update(w[i], gwq[i] - gwq[i] * outside, m + i, v + i, b1, b2, eps, step, inv_c2);
+    }
+}
+
+/* ... over rows [r0, r1); with next (not NULL), in chunks of ACH elements, each followed by the new weight's values
+ * (adaquant_values_row, per row segment: the values call's bits) while the chunk is in cache, and its mask into
+ * next_outside when that is not NULL. outside NULL: the mask of the weight before the step is recomputed from it
+ * (adaquant_adam_seg, row segment by row segment; the caller passes next_outside NULL then: nobody reads it) */
 void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gwq,
                       const float *outside, float *m, float *v, float b1, float b2, float eps, float lr_c1,
                       float inv_c2, const float *scale, const float *zp, float lo, float hi, float *next,
                       float *next_outside) {
     int64_t e0 = r0 * inner, e1 = r1 * inner;
-    if (next == NULL) {
+    if (next == NULL && outside != NULL) {
         adaquant_adam_row(e1 - e0, w + e0, gwq + e0, outside + e0, m + e0, v + e0, b1, b2, eps, lr_c1, inv_c2);
         return;
     }
     for (int64_t c0 = e0; c0 < e1; c0 += ACH) {
         int64_t len = e1 - c0 < ACH ? e1 - c0 : ACH;
-        adaquant_adam_row(len, w + c0, gwq + c0, outside + c0, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
-        adaquant_values_range(c0, c0 + len, channels, inner, w, scale, zp, lo, hi, next, next_outside);
+        if (outside != NULL)
+            adaquant_adam_row(len, w + c0, gwq + c0, outside + c0, m + c0, v + c0, b1, b2, eps, lr_c1, inv_c2);
+        else
+            for (int64_t q = c0; q < c0 + len;) {
+                int64_t end = segment_end(q, inner, c0 + len), c = (q / inner) % channels;
+                adaquant_adam_seg(end - q, w + q, gwq + q, m + q, v + q, b1, b2, eps, lr_c1, inv_c2, scale[c],
+                                  zp ? zp[c] : 0.0f, lo, hi);
+                q = end;
+            }
+        if (next != NULL)
+            adaquant_values_range(c0, c0 + len, channels, inner, w, scale, zp, lo, hi, next, next_outside);
     }
 }
 
@@ -2050,4 +2087,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 26; }
+int qt_cpu_steps_version(void) { return 27; }

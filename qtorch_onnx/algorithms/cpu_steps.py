@@ -42,7 +42,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 26
+_VERSION = 27
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -269,15 +269,22 @@ def _adam_args(adam: Optional[AdamMoments]):
             adam.inv_c2)
 
 
-def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor, outside: torch.Tensor,
-                  adam: AdamMoments, next_range=None):
+def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor, outside: Optional[torch.Tensor],
+                  adam: AdamMoments, next_range=None, next_mask: bool = True):
     """AdaQuant's straight-through gradient ``dL/dw = dL/dwq * (1 - outside)`` and Adam's step on ``weight`` (in
-    place) in one pass; all contiguous float32 of the weight's shape. With ``next_range = (qmin, qmax)``: returns
-    :func:`adaquant_values` of the updated weight (the same bits), computed chunk by chunk while the weight is in
-    cache; else None."""
-    nxt = (torch.empty_like(weight), torch.empty_like(weight)) if next_range is not None else (None, None)
+    place) in one pass; all contiguous float32 of the weight's shape. ``outside`` None: the saturation mask of the
+    weight before the step is recomputed from it in the pass (:func:`adaquant_values`'s arithmetic: the same mask,
+    the same bits) instead of read. With ``next_range = (qmin, qmax)``: returns :func:`adaquant_values` of the updated
+    weight (the same bits), computed chunk by chunk while the weight is in cache, as ``(wq, outside)``, or ``(wq,
+    None)`` with ``next_mask=False`` (the mask not written: the next step recomputes it); else None."""
+    if next_range is not None:
+        nxt = (torch.empty_like(weight), torch.empty_like(weight) if next_mask else None)
+    else:
+        nxt = (None, None)
     lo, hi = next_range if next_range is not None else (0.0, 0.0)
-    _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), outside.data_ptr(),
+    if outside is None and next_range is None:  # the recomputed mask needs the range
+        raise ValueError("adaquant_adam: outside=None needs next_range (the integer range of the mask)")
+    _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), _ptr(outside),
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
     return nxt if next_range is not None else None

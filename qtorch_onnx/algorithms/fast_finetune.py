@@ -887,7 +887,9 @@ class _FusedGramIteration(_FusedGram):
             cpu_steps.adaquant_values(step.layout, step.weight.detach(), step.lo, step.hi)
         dst = self.pairs[1] if self.pairs[0][0].data_ptr() == wq.data_ptr() else self.pairs[0]
         self._batch(idx)
-        a.wq, a.outside, a.next, a.next_outside = wq.data_ptr(), outside.data_ptr(), dst[0].data_ptr(), dst[1].data_ptr()
+        # (outside None: the loop's fused step left the next values without their mask; the C step recomputes it)
+        a.wq, a.next, a.next_outside = wq.data_ptr(), dst[0].data_ptr(), dst[1].data_ptr()
+        a.outside = outside.data_ptr() if outside is not None else None
         self._moments(step.weight)
         if step.bias is not None:
             mb = self.opt.fused_moments(step.bias)

@@ -534,23 +534,30 @@ def test_adaquant_adam_with_next_values(shape, axis, asymmetric):
     zp = torch.randint(-3, 4, (shape[0], 1), generator=gen).float() if asymmetric else None
     layout = cpu_steps.RowLayout.of(w, scale, zp, axis)
     gwq = torch.randn(shape, generator=gen)
+    w.view(-1)[7] = float("nan")  # a NaN weight: outside 0 (its gradient passes), recomputed or read alike
     results = []
-    for with_next in (False, True):
+    # without the next values; with them; with them and the mask recomputed in the pass (outside None, the next mask
+    # not written), as fast finetune's loop runs it
+    for with_next, recompute in ((False, False), (True, False), (True, True)):
         p = w.clone()
         opt = _FusedAdam([p], 1e-1)
         for _ in range(3):
             _, outside = cpu_steps.adaquant_values(layout, p, -128, 127)
-            nxt = cpu_steps.adaquant_adam(layout, p, gwq, outside, opt.fused_moments(p),
-                                          next_range=(-128, 127) if with_next else None)
+            nxt = cpu_steps.adaquant_adam(layout, p, gwq, None if recompute else outside, opt.fused_moments(p),
+                                          next_range=(-128, 127) if with_next else None, next_mask=not recompute)
             if with_next:
                 ref = cpu_steps.adaquant_values(layout, p, -128, 127)
-                assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(nxt, ref))
+                assert torch.equal(nxt[0].view(torch.int32), ref[0].view(torch.int32))
+                assert nxt[1] is None if recompute else torch.equal(nxt[1].view(torch.int32), ref[1].view(torch.int32))
                 assert bool(ref[1].any())  # some weights saturate
             else:
                 assert nxt is None
         results.append((p, *opt.state[id(p)][:2]))
-    for x, y in zip(*results):
-        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for other in results[1:]:
+        for x, y in zip(results[0], other):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    with pytest.raises(ValueError, match="next_range"):
+        cpu_steps.adaquant_adam(layout, w.clone(), gwq, None, _FusedAdam([w], 1e-1).fused_moments(w))
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
