@@ -34,6 +34,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -923,18 +924,50 @@ int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t 
  * j = start[b] .. end - 1, in that order,  p0[s, oi, :] += d[j] x[s, ci, :]  (x: [n, c, p]). Each element gets the
  * same additions in the same order whenever it is replayed, so a sample brought up to date when it is read (lazily)
  * holds the bits it would hold had every change been applied to every sample at once; the lazy order touches one
- * sample's outputs (in cache) for a run of changes instead of every sample's for each. */
+ * sample's outputs (in cache) for a run of changes instead of every sample's for each.
+ * runs (not NULL): the log's steps, runs[r] the first entry of step r (ascending; nruns of them, every start[b] one
+ * of them), each step's entries in ascending at. Then a sample's backlog is applied by blocks of output rows that
+ * stay in L1 / L2, every step's entries for the block in step order (a cursor per step): an element still gets its
+ * additions in the same order, and a backlog of several steps reads the sample's outputs once instead of once per
+ * step. */
+static void kept_row_add(float *restrict dst, const float *restrict src, float dj, int64_t p) {
+    for (int64_t q = 0; q < p; q++)
+        dst[q] += dj * src[q];
+}
+
+#define KEPT_BLOCK_FLOATS 8192 /* output rows per block: 32 KB of them */
+
 void qt_kept_replay(int64_t b0, int64_t b1, const int64_t *samples, const int64_t *start, int64_t end, int64_t o,
-                    int64_t c, int64_t p, const int64_t *at, const float *d, const float *x, float *p0) {
+                    int64_t c, int64_t p, const int64_t *at, const float *d, const float *x, float *p0,
+                    const int64_t *runs, int64_t nruns) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t s = samples[b];
-        for (int64_t j = start[b]; j < end; j++) {
-            float *restrict dst = p0 + (s * o + at[j] / c) * p;
-            const float *restrict src = x + (s * c + at[j] % c) * p;
-            float dj = d[j];
-            for (int64_t q = 0; q < p; q++)
-                dst[q] += dj * src[q];
+        float *ps = p0 + s * o * p;
+        const float *xs = x + s * c * p;
+        int64_t r0 = 0;
+        while (runs != NULL && r0 < nruns && runs[r0] < start[b])
+            r0++;
+        int64_t steps = runs != NULL ? nruns - r0 : 0;
+        int64_t *cur = steps > 1 ? (int64_t *)malloc((size_t)steps * sizeof(int64_t)) : NULL;
+        if (cur == NULL) { /* one step (or no step list): in order */
+            for (int64_t j = start[b]; j < end; j++)
+                kept_row_add(ps + (at[j] / c) * p, xs + (at[j] % c) * p, d[j], p);
+            continue;
         }
+        for (int64_t r = 0; r < steps; r++)
+            cur[r] = runs[r0 + r];
+        int64_t rows = KEPT_BLOCK_FLOATS / p > 0 ? KEPT_BLOCK_FLOATS / p : 1;
+        for (int64_t o0 = 0; o0 < o; o0 += rows) {
+            const int64_t limit = (o0 + rows) * c; /* the block's entries: at < limit */
+            for (int64_t r = 0; r < steps; r++) {
+                const int64_t stop = r + 1 < steps ? runs[r0 + r + 1] : end;
+                int64_t j = cur[r];
+                for (; j < stop && at[j] < limit; j++)
+                    kept_row_add(ps + (at[j] / c) * p, xs + (at[j] % c) * p, d[j], p);
+                cur[r] = j;
+            }
+        }
+        free(cur);
     }
 }
 
@@ -2087,4 +2120,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 27; }
+int qt_cpu_steps_version(void) { return 28; }

@@ -42,7 +42,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 27
+_VERSION = 28
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -67,7 +67,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_all_finite.argtypes = [i64, ptr]
     lib.qt_all_finite.restype = i64
     lib.qt_kept_diff.restype = i64
-    lib.qt_kept_replay.argtypes = [i64, i64, ptr, ptr] + [i64] * 4 + [ptr] * 4
+    lib.qt_kept_replay.argtypes = [i64, i64, ptr, ptr] + [i64] * 4 + [ptr] * 4 + [ptr, i64]
     lib.qt_act_residual_kept.argtypes = [i64] * 4 + [ptr] * 5 + [f32] * 5 + [ptr] * 2 + [i64] * 2 + [ptr, i64, ptr]
     f64 = ctypes.c_double
     lib.qt_bias_values.argtypes = [i64, ptr, ptr, ptr, i64, f64, f64, ptr, ptr]
@@ -451,12 +451,15 @@ def kept_diff(w: torch.Tensor, w0: torch.Tensor, at: torch.Tensor, d: torch.Tens
 
 
 def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start: Sequence[int], end: int,
-                at: torch.Tensor, d: torch.Tensor) -> None:
+                at: torch.Tensor, d: torch.Tensor, runs: Optional[Sequence[int]] = None) -> None:
     """Bring kept 1x1-convolution outputs up to date with a log of weight changes (``qt_kept_replay``): for each
     sample ``s = samples[b]`` the logged changes ``j = start[b] .. end - 1`` in order, ``p0[s, o, :] += d[j] * x[s, c,
     :]`` for ``at[j] = o C + c``. ``p0``: contiguous float32 ``[N, O, P]``, updated in place; ``x``: contiguous float32
-    ``[N, C, P]``; ``at`` / ``d``: the log (contiguous int64 / float32, as :func:`kept_diff` writes it). The same bits
-    whichever samples are brought up to date when. Samples are split between torch's intra-op threads."""
+    ``[N, C, P]``; ``at`` / ``d``: the log (contiguous int64 / float32, as :func:`kept_diff` writes it). ``runs``: the
+    first entry of each logged step (ascending, each step's entries ascending in ``at``; every ``start[b]`` one of
+    them): a sample's backlog of several steps is then applied block of output rows by block (the same additions per
+    element in the same order, the sample's outputs read once). The same bits whichever samples are brought up to date
+    when, with or without ``runs``. Samples are split between torch's intra-op threads."""
     n, o, p = p0.shape
     c = x.shape[1]
     b = len(samples)
@@ -464,10 +467,11 @@ def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start
         return
     ss = (ctypes.c_int64 * b)(*samples)
     st = (ctypes.c_int64 * b)(*start)
+    rr = (ctypes.c_int64 * len(runs))(*runs) if runs else None
     pool = _pool() if b > 1 and (b * end - sum(start)) * p >= PARALLEL_MIN else None
     native.split(library().qt_kept_replay, b, pool,
                  lambda i, a, e: (a, e, ss, st, end, o, c, p, at.data_ptr(), d.data_ptr(), x.data_ptr(),
-                                  p0.data_ptr()))
+                                  p0.data_ptr(), rr, len(runs) if runs else 0))
 
 
 def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,

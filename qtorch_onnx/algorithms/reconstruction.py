@@ -10,6 +10,7 @@ values move to host memory or to disk (``mem_opt_level``).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import itertools
@@ -1384,6 +1385,7 @@ class DirectLayerLoss:
         self._log_d: Optional[torch.Tensor] = None
         self._log_len = 0
         self._seen: List[int] = []
+        self._runs: List[int] = []  # the first log entry of each step that changed something
 
     @staticmethod
     def covers(module: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Optional[str]:
@@ -1437,9 +1439,11 @@ class DirectLayerLoss:
                 self._log_d = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.float32)
             if self._log_len + cap > self._log_at.numel():  # no room for a step's worth: every sample caught up
                 self._replay(None)
-                self._log_len, self._seen = 0, [0] * n
+                self._log_len, self._seen, self._runs = 0, [0] * n, []
             k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at, self._log_d, self._log_len, cap)
             if k <= cap:
+                if k:
+                    self._runs.append(self._log_len)
                 self._log_len += k
                 self._replay(ids)
                 return self._p0
@@ -1459,7 +1463,7 @@ class DirectLayerLoss:
         for i in range(n):
             matmul_nt(w2, xv[i].t(), out=self._p0[i])
         self._w0 = w2.clone()
-        self._log_len, self._seen = 0, [0] * n
+        self._log_len, self._seen, self._runs = 0, [0] * n, []
         return self._p0
 
     def _replay(self, ids: Optional[Sequence[int]]) -> None:
@@ -1469,8 +1473,10 @@ class DirectLayerLoss:
         n = self.x.shape[0]
         todo = sorted({i for i in (range(n) if ids is None else ids) if self._seen[i] < self._log_len})
         if todo:
-            cpu_steps.kept_replay(self._p0, self.x.view(n, self.x.shape[1], -1), todo, [self._seen[i] for i in todo],
-                                  self._log_len, self._log_at, self._log_d)
+            start = [self._seen[i] for i in todo]
+            first = bisect.bisect_left(self._runs, min(start))  # the steps some sample has not seen
+            cpu_steps.kept_replay(self._p0, self.x.view(n, self.x.shape[1], -1), todo, start, self._log_len,
+                                  self._log_at, self._log_d, runs=self._runs[first:])
             for i in todo:
                 self._seen[i] = self._log_len
 
@@ -1617,7 +1623,7 @@ class DirectLayerLoss:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
         None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
         p0, self._p0, self._w0 = self._p0, None, None
-        self._log_len, self._seen = 0, []
+        self._log_len, self._seen, self._runs = 0, [], []
         return p0
 
     @torch.no_grad()

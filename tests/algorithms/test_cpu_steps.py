@@ -828,7 +828,7 @@ def test_kept_replay_lazily_gives_the_bits_of_every_change_applied_at_once(threa
     they happen (the same additions per element in the same order); repeated output channels within a step, samples
     split between threads."""
     gen = torch.Generator().manual_seed(11)
-    n, o, c, p = 6, 40, 24, 400  # from the 3rd step on, every sample's step is past PARALLEL_MIN
+    n, o, c, p = 6, 40, 24, 400  # from the 3rd step on, every sample's step is past PARALLEL_MIN; 20 rows a block
     x = torch.randn(n, c, p, generator=gen)
     eager = torch.randn(n, o, p, generator=gen)
     lazy = eager.clone()
@@ -836,7 +836,7 @@ def test_kept_replay_lazily_gives_the_bits_of_every_change_applied_at_once(threa
     w0_lazy = w0.clone()
     at = torch.empty(4096, dtype=torch.int64)
     d = torch.empty(4096)
-    length, seen = 0, [0] * n
+    length, seen, runs = 0, [0] * n, []
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -852,14 +852,17 @@ def test_kept_replay_lazily_gives_the_bits_of_every_change_applied_at_once(threa
             # lazy: logged, and only the step's mini-batch brought up to date
             k2 = cpu_steps.kept_diff(w, w0_lazy, at[length:], d[length:])
             assert k2 == k and torch.equal(w0, w0_lazy)
+            runs.append(length)
             length += k2
             batch = sorted({step % n, (3 * step + 1) % n})
-            cpu_steps.kept_replay(lazy, x, batch, [seen[i] for i in batch], length, at, d)
+            # the backlog by blocks of output rows (runs: each step's first entry) on even steps, in order on odd ones
+            cpu_steps.kept_replay(lazy, x, batch, [seen[i] for i in batch], length, at, d,
+                                  runs=runs if step % 2 == 0 else None)
             for i in batch:
                 seen[i] = length
                 assert torch.equal(lazy[i].view(torch.int32), eager[i].view(torch.int32))
         rest = [i for i in range(n) if seen[i] < length]
-        cpu_steps.kept_replay(lazy, x, rest, [seen[i] for i in rest], length, at, d)
+        cpu_steps.kept_replay(lazy, x, rest, [seen[i] for i in rest], length, at, d, runs=runs)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(lazy.view(torch.int32), eager.view(torch.int32))
