@@ -134,6 +134,31 @@ class AdaQuantStep:
         self._saved = saved
         return out
 
+    def _weight_step(self, gw: torch.Tensor, outside: Optional[torch.Tensor], moments) -> None:
+        """:meth:`set_grads`' weight part for a written-out gradient ``gw``: the fused Adam pass (the next values
+        without their mask: the next step recomputes it from the weight, 8 bytes a weight less to write and read
+        back), else ``weight.grad``."""
+        if gw.shape != self.weight.shape:
+            gw = gw.reshape(self.weight.shape)
+        if self.layout is not None and moments is not None:
+            self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
+                                                 moments(self.weight), next_range=(self.lo, self.hi), next_mask=False)
+            self.weight.grad = None
+            return
+        if outside is None:  # values() from a fused step's next values: the mask of the same weight
+            outside = cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)[1]
+        # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused Adam
+        # rejects any other layout
+        self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
+
+    def takes_outer(self, fused_optimizer: bool = True) -> bool:
+        """Whether :meth:`set_grads` folds a weight gradient given as a :class:`cpu_steps.OuterGradient` into its
+        fused Adam pass (a fused CPU layout of a ``[out, in]`` weight, rows along ``out``, and an optimizer with fused
+        moments); else it writes the gradient out first."""
+        lay = self.layout
+        return (fused_optimizer and lay is not None and self.weight.dim() == 2 and lay.rows == self.weight.shape[0]
+                and lay.inner == self.weight.shape[1])
+
     @no_grad_if_needed
     def set_grads(self, grads: List[torch.Tensor], beta: Optional[float] = None, reg_param: float = 0.0,
                   optimizer=None) -> None:
@@ -148,21 +173,16 @@ class AdaQuantStep:
             raise RuntimeError("AdaQuantStep.set_grads before values()")
         outside, bias_mask = self._saved
         gw = grads[0]
-        if gw.shape != self.weight.shape:
-            gw = gw.reshape(self.weight.shape)
         moments = getattr(optimizer, "fused_moments", None)
-        if self.layout is not None and moments is not None:
-            # the next values without their mask: the next step recomputes it from the weight in its pass (8 bytes a
-            # weight less to write and read back)
-            self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
-                                                 moments(self.weight), next_range=(self.lo, self.hi), next_mask=False)
-            self.weight.grad = None
+        if isinstance(gw, cpu_steps.OuterGradient):  # a Linear layer's rank-B gradient, not written out
+            if self.takes_outer(moments is not None) and gw.shape == self.weight.shape:
+                self._next = cpu_steps.adaquant_adam_outer(self.layout, self.weight, gw, moments(self.weight),
+                                                           (self.lo, self.hi))
+                self.weight.grad = None
+            else:
+                self._weight_step(gw.dense(), outside, moments)
         else:
-            if outside is None:  # values() from a fused step's next values: the mask of the same weight
-                outside = cpu_steps.adaquant_values(self.layout, self.weight.detach(), self.lo, self.hi)[1]
-            # laid out like the parameter (a transposed MatMul weight's strides), as autograd does: CUDA's fused
-            # Adam rejects any other layout
-            self.weight.grad = torch.addcmul(gw, gw, outside, value=-1.0, out=torch.empty_like(self.weight))
+            self._weight_step(gw, outside, moments)
         if self.bias is not None:
             gb = grads[1]
             if gb.shape != self.bias.shape:

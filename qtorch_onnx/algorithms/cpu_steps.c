@@ -354,6 +354,41 @@ void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
     }
 }
 
+/* qt_adaquant_adam with the weight gradient given as a sum of nb outer products, dL/dwq[r, i] = sum_b gy[b gs + r]
+ * x[b inner + i] (a Linear layer's mini-batch: rows r of the [out, in] weight, inner = in), computed chunk by chunk
+ * as fmaf(gy[b], x[b], ...) in b order from gy[0] x[0] (the rank-nb product's sums: MKL's for nb = 2 on the
+ * reference CPU) instead of read from memory; the saturation mask recomputed from the weight (adaquant_adam_seg);
+ * with next (not NULL) the updated weight's values (and mask into next_outside when not NULL) per chunk */
+void qt_adaquant_adam_outer(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gy,
+                            int64_t gs, const float *x, int64_t nb, float *m, float *v, float b1, float b2, float eps,
+                            float lr_c1, float inv_c2, const float *scale, const float *zp, float lo, float hi,
+                            float *next, float *next_outside) {
+    float g[ACH];
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t c = r % channels;
+        const float s = scale[c], z = zp ? zp[c] : 0.0f;
+        for (int64_t c0 = 0; c0 < inner; c0 += ACH) {
+            const int64_t len = inner - c0 < ACH ? inner - c0 : ACH, e = r * inner + c0;
+            const float g0 = gy[r];
+            for (int64_t i = 0; i < len; i++)
+                g[i] = g0 * x[c0 + i];
+            for (int64_t b = 1; b < nb; b++) {
+                const float gb = gy[b * gs + r];
+                const float *xb = x + b * inner + c0;
+                for (int64_t i = 0; i < len; i++)
+                    g[i] = fmaf(gb, xb[i], g[i]);
+            }
+            adaquant_adam_seg(len, w + e, g, m + e, v + e, b1, b2, eps, lr_c1, inv_c2, s, z, lo, hi);
+            if (next != NULL) {
+                if (next_outside != NULL)
+                    adaquant_values_row(len, w + e, s, z, lo, hi, next + e, next_outside + e);
+                else
+                    adaquant_values_row_nomask(len, w + e, s, z, lo, hi, next + e);
+            }
+        }
+    }
+}
+
 void qt_adaquant_values(int64_t r0, int64_t r1, int64_t channels, int64_t inner, const float *w, const float *scale,
                         const float *zp, float lo, float hi, float *out, float *outside) {
     adaquant_values_range(r0 * inner, r1 * inner, channels, inner, w, scale, zp, lo, hi, out, outside);
@@ -2120,4 +2155,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 28; }
+int qt_cpu_steps_version(void) { return 29; }

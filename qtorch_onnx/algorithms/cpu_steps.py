@@ -36,13 +36,13 @@ from .. import native
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
-           "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay", "all_finite",
-           "AdamMoments", "ENV_SWITCH",
+           "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
+           "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 28
+_VERSION = 29
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -59,6 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr, ptr, i64]
     lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
+    lib.qt_adaquant_adam_outer.argtypes = rows + [ptr, ptr, i64, ptr, i64] + adam + [ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
     lib.qt_depthwise_gram_blocked.argtypes = [i64] * 11 + [ptr] * 7
     lib.qt_act_residual.argtypes = [i64, i64, i64, ptr, ptr, ptr, f32, f32, f32, f32, f32, ptr]
@@ -91,7 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
-              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_replay,
+              lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_replay, lib.qt_adaquant_adam_outer,
               lib.qt_act_residual_kept):
         f.restype = None
 
@@ -288,6 +289,37 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
     return nxt if next_range is not None else None
+
+
+class OuterGradient(NamedTuple):
+    """A weight gradient held as a sum of outer products, ``dL/dW = gy^T x`` (``gy`` contiguous float32 ``[B, out]``,
+    ``x`` contiguous float32 ``[B, in]``, the weight ``[out, in]``): a Linear layer's mini-batch gradient of rank
+    ``B``, which :func:`adaquant_adam_outer` folds into Adam's pass instead of writing and reading it back."""
+
+    gy: torch.Tensor
+    x: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.gy.shape[1], self.x.shape[1]))
+
+    def dense(self) -> torch.Tensor:
+        """The gradient written out (float32 ``[out, in]``; ``gy^T x`` by torch's product)."""
+        return torch.matmul(self.gy.t(), self.x)
+
+
+def adaquant_adam_outer(layout: RowLayout, weight: torch.Tensor, grad: OuterGradient, adam: AdamMoments,
+                        next_range, next_mask: bool = False):
+    """:func:`adaquant_adam` for a gradient held as outer products (``qt_adaquant_adam_outer``: each chunk's
+    ``sum_b gy[b, r] x[b, :]`` as fmaf in ``b`` order, the saturation mask recomputed from the weight), for a weight
+    laid out ``[out, in]`` (``layout.rows == out``, ``layout.inner == in``). Returns the updated weight's values
+    ``(wq, outside)`` (``outside`` None without ``next_mask``)."""
+    lo, hi = next_range
+    nxt = (torch.empty_like(weight), torch.empty_like(weight) if next_mask else None)
+    _run(library().qt_adaquant_adam_outer, layout, weight.data_ptr(), grad.gy.data_ptr(), grad.gy.shape[1],
+         grad.x.data_ptr(), grad.gy.shape[0], *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point),
+         float(lo), float(hi), _ptr(nxt[0]), _ptr(nxt[1]))
+    return nxt
 
 
 def gram_scratch_size(length: int, groups: int, out: int, k: int) -> int:

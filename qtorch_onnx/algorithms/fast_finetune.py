@@ -666,6 +666,11 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # a small Gram-matrix layer: the iterations that read no loss in one C call
     fused = (_FusedGramIteration.of(quad, steps, opt, s) or _FusedGramAdaRound.of(quad, steps, opt, s)) \
         if lossfn is quad and rows is not None else None
+    # a Linear layer's rank-B weight gradient folded into AdaQuant's fused Adam pass (not written out), where one
+    # mini-batch makes the step and the direct loss gives it
+    outer = {"factored": True} if (lossfn is not None and lossfn is not quad and steps is not None and len(steps) == 1
+                                   and s.num_batches == 1 and isinstance(steps[0][0], AdaQuantStep)
+                                   and steps[0][0].takes_outer(hasattr(opt, "fused_moments"))) else {}
     # a written-out loss with the written-out steps records no graph: the whole loop without autograd (their methods
     # then skip entering a no-grad context of their own each call); the Gram matrices' autograd backward and the
     # forward path need it
@@ -698,7 +703,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                     if vals is not None:  # host indices: no device round trip
                         gw, gb, v = lossfn.gradient(idx, vals[0][0], 1.0 / s.num_batches,
                                                     bias=vals[0][1] if len(vals[0]) > 1 else None,
-                                                    want_loss=want_loss)
+                                                    want_loss=want_loss, **outer)
                         g_quad = [gw, gb] if g_quad is None else \
                             [g_quad[0].add_(gw), None if gb is None else g_quad[1].add_(gb)]
                     else:

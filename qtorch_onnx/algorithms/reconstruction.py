@@ -221,6 +221,10 @@ STAGED_POINTWISE_MIN_PLANE = 56 * 56
 #: the weight's entries changed in one step (moving them entry by entry, a memory-bound pass over every sample's
 #: input channel per entry, then costs about as much as the product)
 INCREMENTAL_MAX_CHANGED = 0.125
+#: a Linear layer's weight gradient from at most this many rows of outputs (the mini-batch's samples) may stay a sum
+#: of outer products folded into AdaQuant's Adam pass (DirectLayerLoss.gradient's ``factored``): EfficientNet-Lite0's
+#: classifier, 1000 x 1280 from two samples, writes and reads back 5 MB a step otherwise
+OUTER_MAX_RANK = 8
 #: ... and logs the changed entries of up to this many steps beyond one step's worth before it brings every sample's
 #: kept outputs up to date at once (12 bytes an entry)
 KEPT_LOG_ENTRIES = 1 << 16
@@ -1532,13 +1536,16 @@ class DirectLayerLoss:
         return sse, g
 
     def gradient(self, idx, weight: torch.Tensor, factor: float = 1.0, bias: Optional[torch.Tensor] = None,
-                 want_loss: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 want_loss: bool = True, factored: bool = False
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(dl/d weight, dl/d bias, l)`` with ``l = factor * loss(idx)`` for the quantized ``weight`` (float32,
         the module's weight shape) and, when the bias is trained, ``bias`` (float32 ``[out]``; None: the fixed
         quantized bias given at construction, and no bias gradient): the gradients as new float32 tensors of the
         weight's / bias's shape, the loss as a 0-d float64 tensor on the layer's device (None with
         ``want_loss=False``). ``idx``: the mini-batch's sample indices (a list of ints or an int64 tensor, on the
-        host or the layer's device; repeats allowed; the fused CPU pass reads them on the host)."""
+        host or the layer's device; repeats allowed; the fused CPU pass reads them on the host). ``factored``: a
+        Linear layer's weight gradient of at most ``OUTER_MAX_RANK`` rows of outputs may come back as a
+        :class:`cpu_steps.OuterGradient` (``gy^T x``, not written out) for a step that folds it into Adam's pass."""
         ids = (idx if isinstance(idx, torch.Tensor) else torch.tensor(idx, dtype=torch.int64)).contiguous()
         f = factor / (ids.numel() * self.denominator)
         if self.depthwise:  # forward, residual and gradients plane by plane in one C call, nothing written out
@@ -1583,7 +1590,10 @@ class DirectLayerLoss:
             gw = gw.reshape(weight.shape)
         elif self.linear:
             g2 = g.reshape(-1, g.shape[-1])
-            gw = matmul_nt(g2.t(), xb.reshape(-1, xb.shape[-1]).t())
+            if factored and self.fused and g2.shape[0] <= OUTER_MAX_RANK and len(weight.shape) == 2:
+                gw = cpu_steps.OuterGradient(g2.contiguous(), xb.reshape(-1, xb.shape[-1]).contiguous())
+            else:
+                gw = matmul_nt(g2.t(), xb.reshape(-1, xb.shape[-1]).t())
         else:
             gw = torch.ops.aten.convolution_backward(g, xb, weight, None, *self.args[:3], False,
                                                      [0] * (xb.dim() - 2), self.args[3], [False, True, False])[1]

@@ -925,3 +925,74 @@ def test_all_finite_reads_every_element_and_the_tail():
             y[pos] = bad
             assert not cpu_steps.all_finite(y), (pos, bad)
     assert cpu_steps.all_finite(torch.empty(0))
+
+
+@pytest.mark.parametrize("axis", [0, None])
+def test_adaquant_adam_outer_folds_a_rank_b_gradient_into_the_step(axis):
+    """adaquant_adam_outer (a Linear layer's rank-B weight gradient gy^T x folded into AdaQuant's Adam pass): with
+    one row the product is a single rounding, so the weight, the moments and the next values are adaquant_adam's on
+    the written-out outer product bit for bit; with three rows (sums as fmaf in row order) they agree with the
+    written-out product to float rounding; row splits between threads give the same bits."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    gen = torch.Generator().manual_seed(21)
+    out, inp = 70, 300
+    w = torch.randn(out, inp, generator=gen)
+    scale = (w.abs().amax(dim=1) / 100).reshape(-1, 1) if axis == 0 else w.abs().max() / 100
+    layout = cpu_steps.RowLayout.of(w, scale, None, axis)
+    for rows in (1, 3):
+        gy = torch.randn(rows, out, generator=gen)
+        x = torch.randn(rows, inp, generator=gen)
+        grad = cpu_steps.OuterGradient(gy, x)
+        assert grad.shape == w.shape
+        results = []
+        for mode in ("dense", "outer1", "outer2"):
+            p = w.clone()
+            opt = _FusedAdam([p], 1e-1)
+            before = torch.get_num_threads()
+            torch.set_num_threads(2 if mode == "outer2" else 1)
+            old_min = cpu_steps.PARALLEL_MIN
+            cpu_steps.PARALLEL_MIN = 1  # rows split between the threads even here
+            try:
+                for _ in range(3):
+                    if mode == "dense":
+                        _, outside = cpu_steps.adaquant_values(layout, p, -128, 127)
+                        nxt = cpu_steps.adaquant_adam(layout, p, grad.dense(), outside, opt.fused_moments(p),
+                                                      next_range=(-128, 127))
+                    else:
+                        nxt = cpu_steps.adaquant_adam_outer(layout, p, grad, opt.fused_moments(p), (-128, 127),
+                                                            next_mask=True)
+            finally:
+                cpu_steps.PARALLEL_MIN = old_min
+                torch.set_num_threads(before)
+            results.append((p, *opt.state[id(p)][:2], *nxt))
+        dense, outer1, outer2 = results
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(outer1, outer2))
+        if rows == 1:
+            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dense, outer1))
+        else:
+            torch.testing.assert_close(outer1[0], dense[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(outer1[1], dense[1], rtol=1e-4, atol=1e-6)
+
+
+def test_direct_linear_gradient_factored_is_the_written_out_one():
+    """DirectLayerLoss.gradient(factored=True) of a Linear layer gives its weight gradient as gy^T x
+    (cpu_steps.OuterGradient), whose written-out product is the unfactored gradient; the bias gradient and the loss
+    are the same; a mini-batch of more than OUTER_MAX_RANK rows stays written out."""
+    from qtorch_onnx.algorithms import reconstruction as rc
+
+    gen = torch.Generator().manual_seed(22)
+    lin = torch.nn.Linear(40, 30)
+    x = torch.randn(12, 40, generator=gen)
+    with torch.no_grad():
+        target = lin(x).clamp(0.0, 6.0) + 0.1 * torch.randn(12, 30, generator=gen)
+    clamp = (0.0, 6.0, 0.0, 0.0)
+    loss = rc.DirectLayerLoss(lin, x, target, clamp, lin.bias.detach().clone())
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    gw, gb, lv = loss.gradient([3, 7], w, 1.0, bias=b)
+    fw, fb, fv = loss.gradient([3, 7], w, 1.0, bias=b, factored=True)
+    assert isinstance(fw, cpu_steps.OuterGradient) and fw.shape == w.shape
+    torch.testing.assert_close(fw.dense(), gw, rtol=1e-6, atol=1e-7)
+    assert torch.equal(fb, gb) and float(fv) == float(lv)
+    many = list(range(rc.OUTER_MAX_RANK + 1))
+    assert isinstance(loss.gradient(many, w, 1.0, bias=b, factored=True)[0], torch.Tensor)
