@@ -23,7 +23,6 @@ ZETA = 1.1
 GAMMA = -0.1
 
 
-
 def no_grad_if_needed(fn: Callable) -> Callable:
     """``torch.no_grad()`` for ``fn``, entered only where autograd is on: the written-out steps' methods run every
     iteration of every layer, fast finetune's loop already runs them without autograd, and a ``torch.no_grad()``
@@ -37,6 +36,7 @@ def no_grad_if_needed(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return wrapper
+
 
 class AdaRoundRounding(WeightRounding):
     """Learned up/down rounding of one integer weight tensor.

@@ -379,12 +379,8 @@ void qt_adaquant_adam_outer(int64_t r0, int64_t r1, int64_t channels, int64_t in
                     g[i] = fmaf(gb, xb[i], g[i]);
             }
             adaquant_adam_seg(len, w + e, g, m + e, v + e, b1, b2, eps, lr_c1, inv_c2, s, z, lo, hi);
-            if (next != NULL) {
-                if (next_outside != NULL)
-                    adaquant_values_row(len, w + e, s, z, lo, hi, next + e, next_outside + e);
-                else
-                    adaquant_values_row_nomask(len, w + e, s, z, lo, hi, next + e);
-            }
+            if (next != NULL)
+                adaquant_values_range(e, e + len, channels, inner, w, scale, zp, lo, hi, next, next_outside);
         }
     }
 }

@@ -278,10 +278,7 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
     the same bits) instead of read. With ``next_range = (qmin, qmax)``: returns :func:`adaquant_values` of the updated
     weight (the same bits), computed chunk by chunk while the weight is in cache, as ``(wq, outside)``, or ``(wq,
     None)`` with ``next_mask=False`` (the mask not written: the next step recomputes it); else None."""
-    if next_range is not None:
-        nxt = (torch.empty_like(weight), torch.empty_like(weight) if next_mask else None)
-    else:
-        nxt = (None, None)
+    nxt = _next_values(weight, next_mask) if next_range is not None else (None, None)
     lo, hi = next_range if next_range is not None else (0.0, 0.0)
     if outside is None and next_range is None:  # the recomputed mask needs the range
         raise ValueError("adaquant_adam: outside=None needs next_range (the integer range of the mask)")
@@ -289,6 +286,11 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
     return nxt if next_range is not None else None
+
+
+def _next_values(weight: torch.Tensor, mask: bool):
+    """The buffers an Adam step writes the updated weight's values (and, with ``mask``, their saturation mask) into."""
+    return torch.empty_like(weight), (torch.empty_like(weight) if mask else None)
 
 
 class OuterGradient(NamedTuple):
@@ -315,7 +317,7 @@ def adaquant_adam_outer(layout: RowLayout, weight: torch.Tensor, grad: OuterGrad
     laid out ``[out, in]`` (``layout.rows == out``, ``layout.inner == in``). Returns the updated weight's values
     ``(wq, outside)`` (``outside`` None without ``next_mask``)."""
     lo, hi = next_range
-    nxt = (torch.empty_like(weight), torch.empty_like(weight) if next_mask else None)
+    nxt = _next_values(weight, next_mask)
     _run(library().qt_adaquant_adam_outer, layout, weight.data_ptr(), grad.gy.data_ptr(), grad.gy.shape[1],
          grad.x.data_ptr(), grad.gy.shape[0], *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point),
          float(lo), float(hi), _ptr(nxt[0]), _ptr(nxt[1]))
@@ -686,15 +688,14 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     route, blocked or not, is the one taken). ``workspace``: a dict the caller keeps between calls of one layer,
     where the kernels' scratch buffers are kept (instead of allocated per call; their contents are not read across
     calls). ``want_sse=False``: ``sse`` is None (not summed). Channels are split between torch's threads."""
-    geometry = _depthwise_geometry(x, kernel, stride, padding)
-    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = geometry
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     b, c = idx.numel(), x.shape[1]
     if prepared is not None:
         blocked = prepared.blocked
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64)
-    bias_c = None if bias is None or bias.is_contiguous() else bias.contiguous()
+    bias_c = None if bias is None else bias.contiguous()
     if blocked is None:
         blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
     work = b * c * ho * wo * kh * kw
@@ -710,7 +711,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
         xs_all, ts_all = (None, None) if prepared is None else (prepared.xs.data_ptr(), prepared.ts.data_ptr())
         native.split(library().qt_depthwise_direct_blocked, nblk, pool,
                      lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
-                                      weight.data_ptr(), _ptr(bias_c if bias_c is not None else bias),
+                                      weight.data_ptr(), _ptr(bias_c),
                                       target.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
                                       _ptr(gw), _ptr(gb), sse.data_ptr(), _row(xs, i), _row(ts, i), _row(wb, i),
                                       _row(prow, i), _row(tot, i), xs_all, ts_all))
@@ -725,7 +726,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     phases = None if prepared is None else prepared.phases.data_ptr()
     native.split(library().qt_depthwise_direct, c, pool,
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
-                                  weight.data_ptr(), _ptr(bias_c if bias_c is not None else bias), target.data_ptr(),
+                                  weight.data_ptr(), _ptr(bias_c), target.data_ptr(),
                                   float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb),
                                   sse.data_ptr(), _row(scratch, i), _row(plane, i), _row(tot, i), phases))
     return gw, gb, (sse.sum() if want_sse else None)

@@ -1090,9 +1090,7 @@ class _FusedAdam:
         as :meth:`step`; the arithmetic is torch.optim.Adam's, the bits may differ in the last place. (No autograd
         context needed: nothing here records a graph; called once per tensor and step.)"""
         key = id(p)
-        state = self.state.get(key)
-        if state is None:
-            state = self._state(p)
+        state = self._state(p)
         t = self.counts[key] = self.counts.get(key, 0) + 1  # the host's count; step() syncs the tensor's
         self._stale.add(key)
         return AdamMoments(state[0], state[1], 0.9, 0.999, 1e-8, self.lr / (1.0 - 0.9 ** t),

@@ -1388,7 +1388,7 @@ class DirectLayerLoss:
         self._log_at: Optional[torch.Tensor] = None
         self._log_d: Optional[torch.Tensor] = None
         self._log_len = 0
-        self._seen: List[int] = []
+        self._seen: List[int] = []  # per sample: how much of the log its rows of self._p0 hold
         self._runs: List[int] = []  # the first log entry of each step that changed something
 
     @staticmethod
@@ -1443,7 +1443,7 @@ class DirectLayerLoss:
                 self._log_d = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.float32)
             if self._log_len + cap > self._log_at.numel():  # no room for a step's worth: every sample caught up
                 self._replay(None)
-                self._log_len, self._seen, self._runs = 0, [0] * n, []
+                self._reset_log(n)
             k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at, self._log_d, self._log_len, cap)
             if k <= cap:
                 if k:
@@ -1467,8 +1467,12 @@ class DirectLayerLoss:
         for i in range(n):
             matmul_nt(w2, xv[i].t(), out=self._p0[i])
         self._w0 = w2.clone()
-        self._log_len, self._seen, self._runs = 0, [0] * n, []
+        self._reset_log(n)
         return self._p0
+
+    def _reset_log(self, n: int) -> None:
+        """An empty change log, the kept outputs of ``n`` samples (none after release_kept) up to date with it."""
+        self._log_len, self._seen, self._runs = 0, [0] * n, []
 
     def _replay(self, ids: Optional[Sequence[int]]) -> None:
         """Bring the kept outputs of the samples ``ids`` (None: all) up to date with the change log (:meth:`_track`)."""
@@ -1633,7 +1637,7 @@ class DirectLayerLoss:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
         None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
         p0, self._p0, self._w0 = self._p0, None, None
-        self._log_len, self._seen, self._runs = 0, [], []
+        self._reset_log(0)
         return p0
 
     @torch.no_grad()
