@@ -200,6 +200,34 @@ def test_scale_state_updated_in_place():
     assert torch.equal(w.scale, expect)
 
 
+def test_weight_observer_skips_an_unchanged_weight_only():
+    """A weight read again unchanged keeps its qparams without an observer pass; a weight changed in place or
+    replaced, and qparams written by hand, are observed again."""
+    qm = _prepared(cnn(), "A8W8", calib_data(4))
+    fq = qm.quantizers()["w2"]
+    assert fq.tracks_value and fq.observer_enabled
+    calls = []
+    orig = fq.compute_qparams_from_range
+    fq.compute_qparams_from_range = lambda *a: (calls.append(1), orig(*a))[1]
+    w = qm.parameter("w2")
+    fq(w)
+    n = len(calls)
+    fq(w)
+    fq(w)
+    assert len(calls) == n  # unchanged: no pass
+    with torch.no_grad():
+        w.mul_(2.0)
+    fq(w)
+    assert len(calls) == n + 1
+    assert torch.equal(fq.scale, (w.detach().double().abs().amax() / 127).float())
+    fq.set_qparams(torch.tensor(0.5))  # by hand: the next read observes again (the observer is on)
+    fq(w)
+    assert len(calls) == n + 2 and torch.equal(fq.scale, (w.detach().double().abs().amax() / 127).float())
+    other = w.detach().clone() * 3.0  # another tensor of the same shape
+    fq(other)
+    assert len(calls) == n + 3 and torch.equal(fq.scale, (other.double().abs().amax() / 127).float())
+
+
 def test_int32_bias_scale_is_derived_live():
     qm = _prepared(cnn(), "A8W8", calib_data(4))
     fqs = qm.quantizers()
