@@ -723,13 +723,37 @@ class FakeQuantize(nn.Module):
                     self.observer.update(x.detach())
             elif self.tracks_value and not self.learnable:
                 self.observe_value(x)
+        memo = None
+        if self._bias_sources is not None and not self.learnable and x.dtype == torch.float32 \
+                and not (torch.is_grad_enabled() and x.requires_grad):
+            memo = self._bias_memo_key(x)
+            if memo is not None and memo == self.__dict__.get("_bias_memo", (None,))[0]:
+                return self.__dict__["_bias_memo"][1].clone()
         if self._bias_sources is not None or self.learnable:
             self.refresh_qparams()
         if not self.fake_quant_enabled or not self.calibrated:
             return x
         orig_dtype = x.dtype
         y = self.quantize_dequantize(x if orig_dtype == torch.float32 else x.float())
+        if memo is not None:
+            self.__dict__["_bias_memo"] = (self._bias_memo_key(x), y.detach().clone())
         return y if orig_dtype == torch.float32 else y.to(orig_dtype)
+
+    def _bias_memo_key(self, x: torch.Tensor) -> Optional[tuple]:
+        """What a derived INT32 bias's output depends on (:meth:`set_bias_sources`): the bias's storage, version
+        counter and shape, the two source scales' and this module's qparams' storage and version counters, the
+        switches. The same key as at the last output computed without a gradient means the same output (a bias read
+        again unchanged: fast finetune reads each layer's bias several times around training it, 0.35-0.5 ms of
+        torch operations a read). None where a tensor keeps no version counter (an inference tensor)."""
+        sx, sw = self._bias_sources[0].scale, self._bias_sources[1].scale
+        s, z = self.scale, self.zero_point
+        try:
+            return (x.data_ptr(), x._version, tuple(x.shape), x.device, sx.data_ptr(), sx._version, sw.data_ptr(),
+                    sw._version, s.data_ptr(), s._version, z.data_ptr(), z._version, id(self.fmt), self.axis,
+                    self.fake_quant_enabled, self.calibrated, self._bias_sources[0].calibrated,
+                    self._bias_sources[1].calibrated)
+        except RuntimeError:
+            return None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

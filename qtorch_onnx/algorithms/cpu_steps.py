@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import native
 
@@ -246,6 +247,8 @@ def adaround_grad(layout: RowLayout, alpha: torch.Tensor, floor: torch.Tensor, q
          _ptr(layout.zero_point), float(qmin), float(qmax), grad_wq.data_ptr(), float(beta or 0.0), reg, _ptr(out),
          *_adam_args(adam), _ptr(next_values if adam is not None else None), _ptr(sig),
          int(bool(sig_valid and sig is not None)))
+    if adam is not None:
+        increment_version(alpha)
     return out
 
 
@@ -285,6 +288,7 @@ def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor
     _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), _ptr(outside),
          *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
          _ptr(nxt[1]))
+    increment_version(weight)  # written through its pointer: what keys on its version counter sees the change
     return nxt if next_range is not None else None
 
 
@@ -321,6 +325,7 @@ def adaquant_adam_outer(layout: RowLayout, weight: torch.Tensor, grad: OuterGrad
     _run(library().qt_adaquant_adam_outer, layout, weight.data_ptr(), grad.gy.data_ptr(), grad.gy.shape[1],
          grad.x.data_ptr(), grad.gy.shape[0], *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point),
          float(lo), float(hi), _ptr(nxt[0]), _ptr(nxt[1]))
+    increment_version(weight)
     return nxt
 
 
@@ -388,6 +393,7 @@ def masked_adam(param: torch.Tensor, grad: torch.Tensor, keep: torch.Tensor, ada
     """Adam's step on ``param`` (in place) for the gradient ``grad * keep`` in one pass; all contiguous float32 of
     one shape (the trained bias of :class:`~qtorch_onnx.algorithms.adaquant.AdaQuantStep`)."""
     library().qt_masked_adam(param.numel(), param.data_ptr(), grad.data_ptr(), keep.data_ptr(), *_adam_args(adam))
+    increment_version(param)
 
 
 def adaquant_values(layout: RowLayout, weight: torch.Tensor, qmin: float, qmax: float):

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
@@ -760,6 +761,10 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
         for _, pqs in steps or ():
             for pq in pqs:
                 pq.override = None
+    # the fused iterations write the trained tensors through their pointers: their version counters move here, so
+    # that what keys on them (a weight observer's or a derived bias's memo, FakeQuantize) sees the change
+    for p in params:
+        increment_version(p)
     if not diverged and not _finite(nonfinite, params):
         diverged = True
     rec.loop_seconds, rec.loop_cpu_seconds = time.perf_counter() - t_loop, time.thread_time() - c_loop

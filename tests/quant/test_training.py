@@ -242,6 +242,47 @@ def test_int32_bias_scale_is_derived_live():
     _assert_bit_exact(qm, calib_data(3))
 
 
+def test_derived_bias_read_again_follows_every_change():
+    """A derived INT32 bias read again unchanged gives its output from a memo (a copy: the caller may write it);
+    a bias changed in place (torch, or the C Adam step through its pointer), a source scale changed, or a gradient
+    wanted computes it again."""
+    from qtorch_onnx.algorithms import cpu_steps
+
+    qm = _prepared(cnn(), "A8W8", calib_data(4))
+    b = qm.quantizers()["b2"]
+    bias = qm.parameter("b2")
+
+    def fresh():
+        b.__dict__.pop("_bias_memo", None)
+        with torch.no_grad():
+            return b(bias)
+
+    with torch.no_grad():
+        first = b(bias)
+        first.add_(1.0)  # the caller's copy
+        assert torch.equal(b(bias), fresh())
+        assert b(bias) is not b(bias)
+        bias.add_(0.01)
+        assert torch.equal(b(bias), fresh()) and not torch.equal(b(bias), first - 1.0)
+    if cpu_steps.available():
+        before = b(bias).clone()
+        g = torch.randn_like(bias)
+        mom = cpu_steps.AdamMoments(torch.zeros_like(bias), torch.zeros_like(bias), 0.9, 0.999, 1e-8, 0.05, 1.0)
+        cpu_steps.masked_adam(bias, g, torch.ones_like(bias), mom)  # written through the pointer
+        with torch.no_grad():
+            after = b(bias)
+        assert not torch.equal(after, before) and torch.equal(after, fresh())
+    x_q, _ = b.bias_sources
+    with torch.no_grad():
+        old = b(bias)
+    x_q.set_qparams(x_q.scale * 2)
+    with torch.no_grad():
+        assert not torch.equal(b(bias), old) and torch.equal(b(bias), fresh())
+    y = b(bias)  # a gradient wanted: the graph reaches the parameter
+    y.sum().backward()
+    assert bias.grad is not None
+
+
 @pytest.mark.parametrize("config", ["A8W8", "A16W8", "U8S8_AAWS"])
 def test_learn_scales_lsq_step_and_export(config):
     qm = _prepared(cnn(), config, calib_data(4))
