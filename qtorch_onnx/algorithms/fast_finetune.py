@@ -998,7 +998,8 @@ def _quadratic_loss_after(quad, fn, ld, rec: LayerRecord, outputs_for=None) -> f
     the algebra checked against the forward path on the first sample (the trained weight, so a wrong quadratic
     form shows); on a mismatch the forward path's loss over all samples, and a note."""
     n = ld.target.shape[0]
-    sse = output_sse(outputs_for(), ld.target) if outputs_for is not None else None
+    # a sparse 1x1 layer's kept starting output moved by the weight's changes, else the staged pass's convolution
+    sse = output_sse(outputs_for(None, quad.kept_output()), ld.target) if outputs_for is not None else None
     if sse is not None:
         denominator = quad.denominator
         lf, lq = float(sse[0]) / denominator, quad.value(torch.zeros(1, dtype=torch.int64))
@@ -1242,7 +1243,8 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
                        and s.mem_opt_level < 2 and x.shape[0] > s.batch_size)
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias, incremental=incremental)
     if direct.incremental:
-        return direct, "direct loss (every sample's output kept and moved by the weight's changes, no autograd)"
+        cols = " of the unfolded input" if direct.unfolded else ""
+        return direct, f"direct loss (every sample's output{cols} kept and moved by the weight's changes, no autograd)"
     return direct, "direct loss (forward and weight-gradient convolutions, no autograd)"
 
 
@@ -1307,7 +1309,7 @@ def _direct_gradient_agrees_on(direct, fn, ld, steps, xb: torch.Tensor) -> bool:
             pq.override = None
     with torch.no_grad():
         check = DirectLayerLoss(direct.module, xb, target, (direct.lo, direct.hi, direct.wlo, direct.whi),
-                                direct.bias)
+                                direct.bias, unfold=direct.unfolded)
         ids = torch.zeros(1, dtype=torch.int64)
         got = check._forward(ids, vals[0].detach(), vals[1].detach() if len(vals) > 1 else check.bias)[0]
         got = got if check.identity else got.clamp(check.lo, check.hi)

