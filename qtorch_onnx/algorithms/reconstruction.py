@@ -214,13 +214,9 @@ class LayerData:
 
 
 #: the staged forward passes run a 1x1 convolution as one product per sample (gemm.matmul_nt) from planes of this many
-#: positions with at most STAGED_POINTWISE_MAX_DEPTH input channels: there torch's batched NCHW convolution is a
-#: fraction of that speed on a CPU; with more input channels it is as fast or faster. 16 samples, one Zen 3 thread,
-#: torch's convolution against the products: 16 -> 96 on 112x112 115 / 68 ms, 24 -> 144 on 56x56 56 / 8.6, 40 -> 240
-#: on 28x28 26 / 6.0; 96 -> 24 on 56x56 5.0 / 7.2, 144 -> 24 on 56x56 7.7 / 7.4, 240 -> 40 on 28x28 5.1 / 5.2,
-#: 80 -> 480 on 14x14 4.1 / 4.4, 1152 -> 192 on 7x7 4.8 / 6.1
-STAGED_POINTWISE_MIN_PLANE = 28 * 28
-STAGED_POINTWISE_MAX_DEPTH = 64
+#: positions (torch's batched convolution of a large plane in NCHW is a fraction of that speed on a CPU:
+#: EfficientNet-Lite0's [16, 16, 112, 112] -> 96 channels 69 -> 34 ms, one thread)
+STAGED_POINTWISE_MIN_PLANE = 56 * 56
 #: DirectLayerLoss(incremental=True) recomputes its kept outputs for every sample when more than this fraction of
 #: the weight's entries changed in one step (moving them entry by entry, a memory-bound pass over every sample's
 #: input channel per entry, then costs about as much as the product)
@@ -287,8 +283,8 @@ def _elementwise_into(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
 @torch.no_grad()
 def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The output of ``module`` (a Conv2d with its own forward) on ``x`` (a float32 CPU batch, contiguous) for the
-    staged forward passes by a faster route where one applies (a 1x1 convolution of a few input channels on a large
-    plane: one product per sample, STAGED_POINTWISE_MIN_PLANE; a depthwise one: cpu_steps' kernel), else None (the module runs). The same convolution to float
+    staged forward passes by a faster route where one applies (a 1x1 convolution on a large plane: one oneDNN product
+    per sample; a depthwise one: cpu_steps' kernel), else None (the module runs). The same convolution to float
     rounding, not to the bit: the staged values are the algorithms' data, not what is exported. ``out``: memory the
     caller gives up (contiguous float32 ``[N, O, H * W]``), written by the 1x1 route when its shape fits (the same
     bits as into a new tensor), else left alone."""
@@ -298,8 +294,7 @@ def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) 
         return None
     n, c, h, w = x.shape
     if module.groups == 1 and tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1) \
-            and tuple(module.padding) == (0, 0) and h * w >= STAGED_POINTWISE_MIN_PLANE \
-            and c <= STAGED_POINTWISE_MAX_DEPTH:
+            and tuple(module.padding) == (0, 0) and h * w >= STAGED_POINTWISE_MIN_PLANE:
         bias = module.bias
         fits = (out is not None and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
                 and tuple(out.shape) == (n, module.out_channels, h * w))
