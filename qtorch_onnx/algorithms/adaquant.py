@@ -65,6 +65,9 @@ class AdaQuantStep:
         self._saved: Optional[List[Optional[torch.Tensor]]] = None
         # (wq, outside) of the weight as the last fused Adam step left it (computed in that pass), or None
         self._next = None
+        #: a DirectLayerLoss with kept outputs whose change log the fused Adam step writes in its pass
+        #: (:meth:`DirectLayerLoss.diff_slot`), set by fast finetune around its loop; None: not
+        self.kept = None
         # the weight by the fused CPU loop (cpu_steps.c) where it applies; :meth:`check` keeps it only if it
         # gives the quantizer's bits
         self.layout = cpu_steps.RowLayout.of(weight.detach(), self.scale, self.zp, getattr(fq_w, "axis", None))
@@ -141,8 +144,13 @@ class AdaQuantStep:
         if gw.shape != self.weight.shape:
             gw = gw.reshape(self.weight.shape)
         if self.layout is not None and moments is not None:
+            # the kept outputs' change log written in the same pass where one pass over the weight does it (one
+            # thread, or a weight the threads would not split)
+            diff = self.kept.diff_slot() if self.kept is not None and (
+                torch.get_num_threads() == 1 or self.weight.numel() < cpu_steps.PARALLEL_MIN) else None
             self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
-                                                 moments(self.weight), next_range=(self.lo, self.hi), next_mask=False)
+                                                 moments(self.weight), next_range=(self.lo, self.hi), next_mask=False,
+                                                 diff=diff)
             self.weight.grad = None
             return
         if outside is None:  # values() from a fused step's next values: the mask of the same weight

@@ -327,13 +327,18 @@ __attribute__((noinline)) static void adaquant_adam_seg(int64_t n, float *restri
 
 /* ... over rows [r0, r1); with next (not NULL), in chunks of ACH elements, each followed by the new weight's values
  * (adaquant_values_row, per row segment: the values call's bits) while the chunk is in cache, and its mask into
- * next_outside when that is not NULL. outside NULL: the mask of the weight before the step is recomputed from it
+ * next_outside when that is not NULL. With w0 (not NULL; next too): qt_kept_diff(next, w0, cap, at, d) in the same
+ * pass, chunk by chunk (the same entries in the same order), its count into *count (one call over all rows: the log
+ * is one sequence). outside NULL: the mask of the weight before the step is recomputed from it
  * (adaquant_adam_seg, row segment by row segment; the caller passes next_outside NULL then: nobody reads it) */
+static int64_t kept_diff_range(int64_t q, int64_t m, const float *w, const float *w0, int64_t cap, int64_t *at,
+                               float *d, int64_t k);
+
 void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gwq,
                       const float *outside, float *m, float *v, float b1, float b2, float eps, float lr_c1,
                       float inv_c2, const float *scale, const float *zp, float lo, float hi, float *next,
-                      float *next_outside) {
-    int64_t e0 = r0 * inner, e1 = r1 * inner;
+                      float *next_outside, float *w0, int64_t cap, int64_t *at, float *d, int64_t *count) {
+    int64_t e0 = r0 * inner, e1 = r1 * inner, k = 0;
     if (next == NULL && outside != NULL) {
         adaquant_adam_row(e1 - e0, w + e0, gwq + e0, outside + e0, m + e0, v + e0, b1, b2, eps, lr_c1, inv_c2);
         return;
@@ -351,6 +356,14 @@ void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
             }
         if (next != NULL)
             adaquant_values_range(c0, c0 + len, channels, inner, w, scale, zp, lo, hi, next, next_outside);
+        if (w0 != NULL) /* the chunk's next values against w0 while they are in cache: qt_kept_diff's scan */
+            k = kept_diff_range(c0, c0 + len, next, w0, cap, at, d, k);
+    }
+    if (w0 != NULL) {
+        if (k <= cap)
+            for (int64_t j = 0; j < k; j++)
+                w0[at[j]] = next[at[j]];
+        *count = k;
     }
 }
 
@@ -907,8 +920,9 @@ int64_t qt_all_finite(int64_t m, const float *x) {
  * qt_kept_diff: the entries where w (m = o c floats) differs from w0, in order: their flat indices into at[] and
  * the differences w - w0 into d[] (at most cap of them), w0 set to w there. Returns how many differ; when that is
  * more than cap, nothing is written past cap and w0 is left as it was (the caller recomputes p0). */
-int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t *at, float *d) {
-    int64_t k = 0, q = 0;
+/* the scan of qt_kept_diff over entries [q, m), appending after the k entries found before (the caller updates w0) */
+static int64_t kept_diff_range(int64_t q, int64_t m, const float *w, const float *w0, int64_t cap, int64_t *at,
+                               float *d, int64_t k) {
     /* 16 entries compared at a time (bitwise, as integers: a float32 weight that changed on its grid changes its
      * bits; -0.0 vs 0.0, and a NaN, are what the float test treats otherwise: their block goes to it below),
      * the branchy test only where some differ: a few in a thousand an iteration */
@@ -944,6 +958,11 @@ int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t 
             }
             k++;
         }
+    return k;
+}
+
+int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t *at, float *d) {
+    int64_t k = kept_diff_range(0, m, w, w0, cap, at, d, 0);
     if (k <= cap)
         for (int64_t j = 0; j < k; j++)
             w0[at[j]] = w[at[j]];
@@ -2112,7 +2131,8 @@ int qt_gram_adaquant_iteration(const gram_adaquant_args *a) {
                          a->filled, NULL))
         return 1; /* a row of H to fill first (qt_gram_gradient): the weight, bias and moments untouched */
     qt_adaquant_adam(0, a->rows, a->channels, a->inner, a->w, a->R, a->outside, a->m, a->v, a->b1, a->b2, a->eps,
-                     a->lr_c1, a->inv_c2, a->scale, a->zp, a->lo, a->hi, a->next, a->next_outside);
+                     a->lr_c1, a->inv_c2, a->scale, a->zp, a->lo, a->hi, a->next, a->next_outside, NULL, 0, NULL,
+                     NULL, NULL);
     if (a->b != NULL)
         qt_masked_adam(a->nb, a->b, a->gb, a->keep, a->mb, a->vb, a->b1, a->b2, a->eps, a->lr_c1b, a->inv_c2b);
     return 0;
@@ -2151,4 +2171,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 29; }
+int qt_cpu_steps_version(void) { return 30; }

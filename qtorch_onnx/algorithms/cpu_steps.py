@@ -43,7 +43,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 29
+_VERSION = 30
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -58,7 +58,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_adaround_values.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr]
     adam = [ptr, ptr, f32, f32, f32, f32, f32]  # moments, betas, eps, lr / (1 - b1^t), 1 / sqrt(1 - b2^t)
     lib.qt_adaround_grad.argtypes = rows + [ptr, ptr, ptr, ptr, f32, f32, ptr, f32, f32, ptr] + adam + [ptr, ptr, i64]
-    lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr]
+    lib.qt_adaquant_adam.argtypes = rows + [ptr, ptr, ptr] + adam + [ptr, ptr, f32, f32, ptr, ptr] + \
+        [ptr, i64, ptr, ptr, ptr]
     lib.qt_adaquant_values.argtypes = rows + [ptr, ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_adaquant_adam_outer.argtypes = rows + [ptr, ptr, i64, ptr, i64] + adam + [ptr, ptr, f32, f32, ptr, ptr]
     lib.qt_depthwise_gram.argtypes = [i64] * 11 + [ptr] * 7
@@ -273,21 +274,49 @@ def _adam_args(adam: Optional[AdamMoments]):
             adam.inv_c2)
 
 
+@dataclass
+class KeptDiff:
+    """Where a fused AdaQuant Adam step writes the entries its next values differ in from ``w0`` (:func:`kept_diff`
+    in the same pass): ``w0`` contiguous float32 (the weight's element count), the log ``at`` / ``d`` (contiguous
+    int64 / float32) from element ``offset`` on, at most ``cap`` entries; after the step ``found`` holds how many
+    differ (w0 updated as :func:`kept_diff` does) and ``values`` the next values' tensor it compared."""
+
+    w0: torch.Tensor
+    at: torch.Tensor
+    d: torch.Tensor
+    offset: int
+    cap: int
+    found: Optional[int] = None
+    values: Optional[torch.Tensor] = None
+
+
 def adaquant_adam(layout: RowLayout, weight: torch.Tensor, grad_wq: torch.Tensor, outside: Optional[torch.Tensor],
-                  adam: AdamMoments, next_range=None, next_mask: bool = True):
+                  adam: AdamMoments, next_range=None, next_mask: bool = True, diff: Optional[KeptDiff] = None):
     """AdaQuant's straight-through gradient ``dL/dw = dL/dwq * (1 - outside)`` and Adam's step on ``weight`` (in
     place) in one pass; all contiguous float32 of the weight's shape. ``outside`` None: the saturation mask of the
     weight before the step is recomputed from it in the pass (:func:`adaquant_values`'s arithmetic: the same mask,
     the same bits) instead of read. With ``next_range = (qmin, qmax)``: returns :func:`adaquant_values` of the updated
     weight (the same bits), computed chunk by chunk while the weight is in cache, as ``(wq, outside)``, or ``(wq,
-    None)`` with ``next_mask=False`` (the mask not written: the next step recomputes it); else None."""
+    None)`` with ``next_mask=False`` (the mask not written: the next step recomputes it); else None. ``diff`` (with
+    ``next_range``): :func:`kept_diff` of the next values against ``diff.w0`` in the same pass, into ``diff`` (one
+    call over every row: the log is one sequence)."""
     nxt = _next_values(weight, next_mask) if next_range is not None else (None, None)
     lo, hi = next_range if next_range is not None else (0.0, 0.0)
     if outside is None and next_range is None:  # the recomputed mask needs the range
         raise ValueError("adaquant_adam: outside=None needs next_range (the integer range of the mask)")
-    _run(library().qt_adaquant_adam, layout, weight.data_ptr(), grad_wq.data_ptr(), _ptr(outside),
-         *_adam_args(adam), layout.scale.data_ptr(), _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]),
-         _ptr(nxt[1]))
+    args = (weight.data_ptr(), grad_wq.data_ptr(), _ptr(outside), *_adam_args(adam), layout.scale.data_ptr(),
+            _ptr(layout.zero_point), float(lo), float(hi), _ptr(nxt[0]), _ptr(nxt[1]))
+    if diff is not None:
+        if next_range is None or diff.w0.numel() != weight.numel():
+            raise ValueError("adaquant_adam: diff needs next_range and a w0 of the weight's size")
+        room = min(diff.at.numel(), diff.d.numel()) - diff.offset
+        count = ctypes.c_int64(0)
+        library().qt_adaquant_adam(0, layout.rows, layout.channels, layout.inner, *args, diff.w0.data_ptr(),
+                                   min(diff.cap, room), diff.at.data_ptr() + 8 * diff.offset,
+                                   diff.d.data_ptr() + 4 * diff.offset, ctypes.byref(count))
+        diff.found, diff.values = int(count.value), nxt[0]
+    else:
+        _run(library().qt_adaquant_adam, layout, *args, None, 0, None, None, None)
     increment_version(weight)  # written through its pointer: what keys on its version counter sees the change
     return nxt if next_range is not None else None
 

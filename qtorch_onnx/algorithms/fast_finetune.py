@@ -676,6 +676,11 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # then skip entering a no-grad context of their own each call); the Gram matrices' autograd backward and the
     # forward path need it
     grad_mode = torch.no_grad() if lossfn is not None and steps is not None else contextlib.nullcontext()
+    # AdaQuant's kept outputs: the fused Adam step finds the weight's changes for them in its own pass
+    kept_by = steps[0][0] if (isinstance(lossfn, DirectLayerLoss) and lossfn.incremental and steps is not None
+                              and len(steps) == 1 and isinstance(steps[0][0], AdaQuantStep)) else None
+    if kept_by is not None:
+        kept_by.kept = lossfn
     t_loop, c_loop = time.perf_counter(), time.thread_time()
     grad_mode.__enter__()
     try:
@@ -758,6 +763,8 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                     best = mean
     finally:
         grad_mode.__exit__(None, None, None)
+        if kept_by is not None:
+            kept_by.kept = None
         for _, pqs in steps or ():
             for pq in pqs:
                 pq.override = None

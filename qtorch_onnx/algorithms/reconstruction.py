@@ -1455,6 +1455,7 @@ class DirectLayerLoss:
         self._log_len = 0
         self._seen: List[int] = []  # per sample: how much of the log its rows of self._p0 hold
         self._runs: List[int] = []  # the first log entry of each step that changed something
+        self._pending: Optional[cpu_steps.KeptDiff] = None  # diff_slot's, until the next _track takes it
 
     @staticmethod
     def unfold_fits(module: nn.Module, x: torch.Tensor, target: torch.Tensor, limit: float = UNFOLD_MAX_RATIO) -> bool:
@@ -1518,14 +1519,19 @@ class DirectLayerLoss:
         n, p = self.x.shape[0], math.prod(self.x.shape[2:])
         xv = self.x.view(n, c, p)
         cap = int(INCREMENTAL_MAX_CHANGED * o * c)
+        pending, self._pending = self._pending, None
         if self._p0 is not None and self.fused:
-            if self._log_at is None:
-                self._log_at = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.int64)
-                self._log_d = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.float32)
-            if self._log_len + cap > self._log_at.numel():  # no room for a step's worth: every sample caught up
-                self._replay(None)
-                self._reset_log(n)
-            k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at, self._log_d, self._log_len, cap)
+            if pending is not None and pending.found is not None:
+                # the step's Adam pass logged these changes already (diff_slot): the same entries kept_diff finds,
+                # as long as ``weight`` holds the values it compared (that tensor in the loop, the module's own
+                # quantized weight after it); anything else: every output again (w0 has moved)
+                v = pending.values
+                same = v is not None and v.numel() == w2.numel() and (
+                    v.data_ptr() == w2.data_ptr() or torch.equal(v.reshape(o, c), w2))
+                k = pending.found if same else cap + 1
+            else:
+                self._room(n, cap)
+                k = cpu_steps.kept_diff(w2.contiguous(), self._w0, self._log_at, self._log_d, self._log_len, cap)
             if k <= cap:
                 if k:
                     self._runs.append(self._log_len)
@@ -1550,6 +1556,29 @@ class DirectLayerLoss:
         self._w0 = w2.clone()
         self._reset_log(n)
         return self._p0
+
+    def _room(self, n: int, cap: int) -> None:
+        """The change log allocated, with room for a step's ``cap`` entries (else every sample brought up to date
+        and the log emptied)."""
+        if self._log_at is None:
+            self._log_at = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.int64)
+            self._log_d = torch.empty(cap + KEPT_LOG_ENTRIES, dtype=torch.float32)
+        if self._log_len + cap > self._log_at.numel():  # no room for a step's worth: every sample caught up
+            self._replay(None)
+            self._reset_log(n)
+
+    def diff_slot(self) -> Optional[cpu_steps.KeptDiff]:
+        """Where the next weight step may log its changes to the kept outputs in its own pass
+        (:func:`cpu_steps.adaquant_adam` with ``diff``): the kept weight ``w0``, the change log at its end and a
+        step's cap, or None (nothing kept yet, or no C library). The next :meth:`gradient` call then takes the
+        entries found instead of comparing the weight again, when its weight is the values the step compared."""
+        if not (self.incremental and self.fused) or self._p0 is None or self._w0 is None:
+            return None
+        n = self.x.shape[0]
+        cap = int(INCREMENTAL_MAX_CHANGED * self._w0.numel())
+        self._room(n, cap)
+        self._pending = cpu_steps.KeptDiff(self._w0, self._log_at, self._log_d, self._log_len, cap)
+        return self._pending
 
     def _reset_log(self, n: int) -> None:
         """An empty change log, the kept outputs of ``n`` samples (none after release_kept) up to date with it."""
@@ -1717,7 +1746,7 @@ class DirectLayerLoss:
     def release_kept(self) -> Optional[torch.Tensor]:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
         None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
-        p0, self._p0, self._w0 = self._p0, None, None
+        p0, self._p0, self._w0, self._pending = self._p0, None, None, None
         self._reset_log(0)
         return p0
 

@@ -996,3 +996,43 @@ def test_direct_linear_gradient_factored_is_the_written_out_one():
     assert torch.equal(fb, gb) and float(fv) == float(lv)
     many = list(range(rc.OUTER_MAX_RANK + 1))
     assert isinstance(loss.gradient(many, w, 1.0, bias=b, factored=True)[0], torch.Tensor)
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_adaquant_adam_finds_the_kept_diff_in_its_pass(axis):
+    """adaquant_adam with a KeptDiff: the weight, moments and next values of the plain step, and the kept
+    outputs' change log (entries, differences, w0 updated, count) kept_diff finds on those next values, at an
+    offset into the log; over the cap: the count, w0 left as it was. Learning rates that move a few entries to most
+    of them."""
+    from qtorch_onnx.algorithms.fast_finetune import _FusedAdam
+
+    gen = torch.Generator().manual_seed(31)
+    out, inp = 40, 75  # 3000 entries: chunks of ACH and a tail
+    w = torch.randn(out, inp, generator=gen)
+    scale = (w.abs().amax(dim=1) / 100).reshape(-1, 1) if axis == 0 else w.abs().max() / 100
+    layout = cpu_steps.RowLayout.of(w, scale, None, axis)
+    gwq = torch.randn(out, inp, generator=gen)
+    for lr, cap in ((1e-4, 600), (3e-3, 600), (3e-2, 60)):
+        p_ref, p_new = w.clone(), w.clone()
+        o_ref, o_new = _FusedAdam([p_ref], lr), _FusedAdam([p_new], lr)
+        w0_ref = cpu_steps.adaquant_values(layout, w, -128, 127)[0]
+        w0_new = w0_ref.clone()
+        at_ref, d_ref = torch.zeros(cap + 9, dtype=torch.int64), torch.zeros(cap + 9)
+        at_new, d_new = torch.zeros(cap + 9, dtype=torch.int64), torch.zeros(cap + 9)
+        nxt_ref = cpu_steps.adaquant_adam(layout, p_ref, gwq, None, o_ref.fused_moments(p_ref), (-128, 127), False)
+        k_ref = cpu_steps.kept_diff(nxt_ref[0], w0_ref, at_ref, d_ref, 9, cap)
+        diff = cpu_steps.KeptDiff(w0_new, at_new, d_new, 9, cap)
+        nxt_new = cpu_steps.adaquant_adam(layout, p_new, gwq, None, o_new.fused_moments(p_new), (-128, 127), False,
+                                          diff=diff)
+        assert torch.equal(p_new.view(torch.int32), p_ref.view(torch.int32))
+        assert torch.equal(nxt_new[0].view(torch.int32), nxt_ref[0].view(torch.int32))
+        assert all(torch.equal(a, b) for a, b in zip(o_new.state[id(p_new)][:2], o_ref.state[id(p_ref)][:2]))
+        assert diff.found == k_ref > 0 and diff.values is nxt_new[0]
+        n = min(k_ref, cap)
+        assert torch.equal(at_new[9:9 + n], at_ref[9:9 + n]) and torch.equal(d_new[9:9 + n], d_ref[9:9 + n])
+        assert torch.equal(w0_new.view(torch.int32), w0_ref.view(torch.int32))
+        if lr == 3e-2:
+            assert k_ref > cap  # over the cap: w0 untouched on both
+    with pytest.raises(ValueError, match="diff needs next_range"):
+        cpu_steps.adaquant_adam(layout, w.clone(), gwq, torch.zeros_like(w), o_ref.fused_moments(p_ref),
+                                diff=cpu_steps.KeptDiff(w0_ref, at_ref, d_ref, 0, 4))
