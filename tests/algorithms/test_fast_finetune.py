@@ -621,8 +621,8 @@ def test_direct_loss_that_disagrees_is_not_used(monkeypatch):
 
 
 def test_direct_check_runs_on_a_crop_and_falls_back_to_the_whole_sample(monkeypatch):
-    """The direct loss's check runs a Conv2d taller than DIRECT_CHECK_ROWS on the first rows of sample 0 (16x16
-    planes: 8 rows), a shorter one on the whole sample; a crop the forward cannot take (an error) or that fails is
+    """The direct loss's check runs a Conv2d taller than DIRECT_CHECK_ROWS on the first rows of sample 0 (4 rows of
+    the 16x16 and 8x8 planes), a shorter one on the whole sample; a crop the forward cannot take (an error) or that fails is
     checked again on the whole sample, and the layer keeps its direct loss when that passes."""
     import importlib
 
@@ -640,8 +640,8 @@ def test_direct_check_runs_on_a_crop_and_falls_back_to_the_whole_sample(monkeypa
     recs = _finetuned_layers("adaquant", 5, quadratic_loss=False)
     direct = [r.name for r in recs if "direct loss" in r.note]
     assert {"conv1", "conv2", "conv3"} <= set(direct)
-    # conv1 and conv2 (16 rows) on 8, conv3 (8 rows) whole, each once and passing
-    assert sorted(calls) == [(8, 8, True), (8, 16, True), (8, 16, True)]
+    # conv1, conv2 (16 rows) and conv3 (8 rows) on their first DIRECT_CHECK_ROWS (4), each once and passing
+    assert ff.DIRECT_CHECK_ROWS == 4 and sorted(calls) == [(4, 8, True), (4, 16, True), (4, 16, True)]
     calls.clear()
 
     def refuse_crops(direct, fn, ld, steps, xb):
@@ -653,7 +653,7 @@ def test_direct_check_runs_on_a_crop_and_falls_back_to_the_whole_sample(monkeypa
     again = _finetuned_layers("adaquant", 5, quadratic_loss=False)
     assert [r.name for r in again if "direct loss" in r.note] == direct
     assert [r.loss_after for r in again] == [r.loss_after for r in recs]  # the same training
-    assert sorted(calls) == [(8, 8, True), (16, 16, True), (16, 16, True)]  # whole samples
+    assert sorted(calls) == [(8, 8, True), (16, 16, True), (16, 16, True)]  # whole samples only
 
 
 def test_quadratic_loss_before_and_after_match_forward_passes(monkeypatch):
