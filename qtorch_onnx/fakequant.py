@@ -46,6 +46,24 @@ _SWITCH = threading.local()
 
 
 @contextlib.contextmanager
+def unchanged_reads_reused():
+    """Within this context, on the calling thread, a weight observer skips its min / max pass, and a derived INT32
+    bias quantizer returns its last output (a copy), when the tensor and the qparams are as they were at the last
+    computation by their storage and version counters (:meth:`FakeQuantize._observed_key`,
+    :meth:`FakeQuantize._bias_memo_key`). For code that changes parameters only in ways that move their version
+    counters (torch's in-place operations under ``no_grad``, optimizers, ``copy_``; the fused CPU steps move them
+    explicitly): an in-place change through ``.data`` keeps the counter, so it is not seen here, which is why this is
+    off by default. Fast finetune runs inside it (a layer's weight and bias are read several times around its
+    training: 0.3-0.5 ms of torch operations a read). Nests; the previous state comes back on exit."""
+    previous = getattr(_SWITCH, "reuse", False)
+    _SWITCH.reuse = True
+    try:
+        yield
+    finally:
+        _SWITCH.reuse = previous
+
+
+@contextlib.contextmanager
 def quantization_off():
     """Within this context, on the calling thread, every :class:`FakeQuantize` and :class:`ParamQuantizer`
     returns its input unchanged: no observer update, no qparam refresh, no fake quantization, no override. A
@@ -430,7 +448,7 @@ class FakeQuantize(nn.Module):
                 self.qparams_by_method(v, self.axis)
                 self._weight_method_key = key
             return
-        key = self._observed_key(v)
+        key = self._observed_key(v) if getattr(_SWITCH, "reuse", False) else None
         if key is not None and key == self._observed:  # the same value into the same qparams: nothing to redo
             return
         if self.axis is None:
@@ -447,7 +465,8 @@ class FakeQuantize(nn.Module):
         counters (anything that writes them, :meth:`set_qparams` or an in-place op, moves a counter), the overrides,
         format and rule. Equal keys before and after a computation mean it would give what is there (a weight read
         again unchanged: fast finetune reads each layer's weight several times before it trains it, 0.3 ms of
-        observer a read on a small layer). None where a tensor keeps no version counter (an inference tensor)."""
+        observer a read on a small layer). Used inside :func:`unchanged_reads_reused` only. None where a tensor keeps no
+        version counter (an inference tensor)."""
         s, z = self.scale, self.zero_point
         try:
             return (v.data_ptr(), v._version, tuple(v.shape), v.dtype, v.device, s.data_ptr(), s._version,
@@ -725,7 +744,7 @@ class FakeQuantize(nn.Module):
                 self.observe_value(x)
         memo = None
         if self._bias_sources is not None and not self.learnable and x.dtype == torch.float32 \
-                and not (torch.is_grad_enabled() and x.requires_grad):
+                and getattr(_SWITCH, "reuse", False) and not (torch.is_grad_enabled() and x.requires_grad):
             memo = self._bias_memo_key(x)
             if memo is not None and memo == self.__dict__.get("_bias_memo", (None,))[0]:
                 return self.__dict__["_bias_memo"][1].clone()
@@ -744,7 +763,8 @@ class FakeQuantize(nn.Module):
         counter and shape, the two source scales' and this module's qparams' storage and version counters, the
         switches. The same key as at the last output computed without a gradient means the same output (a bias read
         again unchanged: fast finetune reads each layer's bias several times around training it, 0.35-0.5 ms of
-        torch operations a read). None where a tensor keeps no version counter (an inference tensor)."""
+        torch operations a read). Used inside :func:`unchanged_reads_reused` only. None where a tensor keeps no version
+        counter (an inference tensor)."""
         sx, sw = self._bias_sources[0].scale, self._bias_sources[1].scale
         s, z = self.scale, self.zero_point
         try:

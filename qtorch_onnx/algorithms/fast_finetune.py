@@ -45,6 +45,7 @@ from torch.autograd.graph import increment_version
 from .. import data as _data
 from ..config.internal import FastFinetuneSettings
 from ..errors import ConfigError, DataError
+from ..fakequant import unchanged_reads_reused
 from ..heap import large_tensor_heap
 from ..precision import float32_exact
 from .adaquant import AdaQuantStep, adaquant_step
@@ -404,6 +405,10 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
 
     units = _blocks(ex, nodes, targets, op_of) if granularity == "block" else [(l, None, None) for l in targets]
     bar = tqdm(units, desc=f"fast finetune ({s.optim_algorithm})", disable=not progress)
+    # a layer's weight and bias are read through their quantizers several times around its training: reads of
+    # unchanged tensors reuse the last result (every change here moves the tensors' version counters)
+    reuse = unchanged_reads_reused()
+    reuse.__enter__()
     try:
         for index, (layer, start, block_nodes) in enumerate(bar):
             t_layer = time.perf_counter()
@@ -430,6 +435,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
             report.layers.append(rec)
             bar.set_postfix_str(f"{rec.name}: {rec.loss_before:.3g} -> {rec.loss_after:.3g}")
     finally:
+        reuse.__exit__(None, None, None)
         bar.close()
         report.peak_cached_bytes = ex.peak_bytes
         ex.close()

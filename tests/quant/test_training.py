@@ -201,8 +201,11 @@ def test_scale_state_updated_in_place():
 
 
 def test_weight_observer_skips_an_unchanged_weight_only():
-    """A weight read again unchanged keeps its qparams without an observer pass; a weight changed in place or
-    replaced, and qparams written by hand, are observed again."""
+    """Inside unchanged_reads_reused a weight read again unchanged keeps its qparams without an observer pass; a
+    weight changed in place or replaced, and qparams written by hand, are observed again. Outside it (the default)
+    every read observes, so a change through ``.data`` (which keeps the version counter) is seen too."""
+    from qtorch_onnx.fakequant import unchanged_reads_reused
+
     qm = _prepared(cnn(), "A8W8", calib_data(4))
     fq = qm.quantizers()["w2"]
     assert fq.tracks_value and fq.observer_enabled
@@ -210,6 +213,18 @@ def test_weight_observer_skips_an_unchanged_weight_only():
     orig = fq.compute_qparams_from_range
     fq.compute_qparams_from_range = lambda *a: (calls.append(1), orig(*a))[1]
     w = qm.parameter("w2")
+    fq(w)
+    n = len(calls)
+    fq(w)
+    assert len(calls) == n + 1  # the default: every read observes
+    w.data.mul_(1.5)  # no version counter moves
+    fq(w)
+    assert torch.equal(fq.scale, (w.detach().double().abs().amax() / 127).float())
+    with unchanged_reads_reused():
+        _check_observer_reuse(fq, w, calls)
+
+
+def _check_observer_reuse(fq, w, calls):
     fq(w)
     n = len(calls)
     fq(w)
@@ -243,14 +258,25 @@ def test_int32_bias_scale_is_derived_live():
 
 
 def test_derived_bias_read_again_follows_every_change():
-    """A derived INT32 bias read again unchanged gives its output from a memo (a copy: the caller may write it);
-    a bias changed in place (torch, or the C Adam step through its pointer), a source scale changed, or a gradient
-    wanted computes it again."""
+    """Inside unchanged_reads_reused a derived INT32 bias read again unchanged gives its output from a memo (a copy:
+    the caller may write it); a bias changed in place (torch, or the C Adam step through its pointer), a source scale
+    changed, or a gradient wanted computes it again. Outside it no memo is kept (a change through ``.data`` is seen)."""
     from qtorch_onnx.algorithms import cpu_steps
+    from qtorch_onnx.fakequant import unchanged_reads_reused
 
     qm = _prepared(cnn(), "A8W8", calib_data(4))
     b = qm.quantizers()["b2"]
     bias = qm.parameter("b2")
+    with torch.no_grad():
+        before = b(bias)
+        bias.data.add_(0.5)  # no version counter moves
+        assert not torch.equal(b(bias), before) and "_bias_memo" not in b.__dict__
+        bias.data.sub_(0.5)
+    with unchanged_reads_reused():
+        _check_bias_memo(b, bias, cpu_steps)
+
+
+def _check_bias_memo(b, bias, cpu_steps):
 
     def fresh():
         b.__dict__.pop("_bias_memo", None)
