@@ -46,6 +46,17 @@ _SWITCH = threading.local()
 
 
 @contextlib.contextmanager
+def _switched_on(name: str):
+    """The per-thread switch ``name`` of ``_SWITCH`` on within the context, its previous state back on exit."""
+    previous = getattr(_SWITCH, name, False)
+    setattr(_SWITCH, name, True)
+    try:
+        yield
+    finally:
+        setattr(_SWITCH, name, previous)
+
+
+@contextlib.contextmanager
 def unchanged_reads_reused():
     """Within this context, on the calling thread, a weight observer skips its min / max pass, and a derived INT32
     bias quantizer returns its last output (a copy), when the tensor and the qparams are as they were at the last
@@ -55,12 +66,8 @@ def unchanged_reads_reused():
     explicitly): an in-place change through ``.data`` keeps the counter, so it is not seen here, which is why this is
     off by default. Fast finetune runs inside it (a layer's weight and bias are read several times around its
     training: 0.3-0.5 ms of torch operations a read). Nests; the previous state comes back on exit."""
-    previous = getattr(_SWITCH, "reuse", False)
-    _SWITCH.reuse = True
-    try:
+    with _switched_on("reuse"):
         yield
-    finally:
-        _SWITCH.reuse = previous
 
 
 @contextlib.contextmanager
@@ -71,12 +78,8 @@ def quantization_off():
     quantizers read), which is what :class:`qtorch_onnx.algorithms.reconstruction.StagedExecutor` runs its float
     reference pass with instead of a float copy of the model. Other threads are unaffected; nests; the previous
     state comes back on exit, on errors too."""
-    previous = getattr(_SWITCH, "off", False)
-    _SWITCH.off = True
-    try:
+    with _switched_on("off"):
         yield
-    finally:
-        _SWITCH.off = previous
 
 
 def quantization_is_off() -> bool:

@@ -38,7 +38,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
            "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
-           "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "ENV_SWITCH",
+           "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "KeptDiff", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
