@@ -144,10 +144,9 @@ class AdaQuantStep:
         if gw.shape != self.weight.shape:
             gw = gw.reshape(self.weight.shape)
         if self.layout is not None and moments is not None:
-            # the kept outputs' change log written in the same pass where one pass over the weight does it (one
-            # thread, or a weight the threads would not split)
-            diff = self.kept.diff_slot() if self.kept is not None and (
-                torch.get_num_threads() == 1 or self.weight.numel() < cpu_steps.PARALLEL_MIN) else None
+            # the kept outputs' change log written in the same pass where one pass over the weight does it (the log
+            # is one sequence: not where the threads would split the rows)
+            diff = self.kept.diff_slot() if self.kept is not None and cpu_steps.one_pass(self.layout) else None
             self._next = cpu_steps.adaquant_adam(self.layout, self.weight, gw.contiguous(), outside,
                                                  moments(self.weight), next_range=(self.lo, self.hi), next_mask=False,
                                                  diff=diff)

@@ -38,7 +38,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
            "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
            "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
-           "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "KeptDiff", "ENV_SWITCH",
+           "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "KeptDiff", "one_pass", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
@@ -201,12 +201,16 @@ def _pool():
     return native.thread_pool(_state, "qtorch_cpu_steps")
 
 
+def one_pass(layout: RowLayout) -> bool:
+    """Whether :func:`_run` makes one call over all of ``layout``'s rows: a weight under ``PARALLEL_MIN`` elements,
+    one row, or one torch thread (else it splits the rows between the threads)."""
+    return layout.rows * layout.inner < PARALLEL_MIN or layout.rows == 1 or torch.get_num_threads() <= 1
+
 
 def _run(fn, layout: RowLayout, *args) -> None:
-    """``fn(r0, r1, channels, inner, *args)`` over all rows: one call, or row ranges on torch's intra-op thread
-    count for weights of ``PARALLEL_MIN`` elements or more."""
-    n = layout.rows * layout.inner
-    if n < PARALLEL_MIN or layout.rows == 1:  # one call, no pool lookup (most layers: a few microseconds saved)
+    """``fn(r0, r1, channels, inner, *args)`` over all rows: one call (:func:`one_pass`), or row ranges on torch's
+    intra-op thread count."""
+    if one_pass(layout):  # one call, no pool lookup (most layers: a few microseconds saved)
         fn(0, layout.rows, layout.channels, layout.inner, *args)
         return
     native.split(fn, layout.rows, _pool(), lambda i, a, b: (a, b, layout.channels, layout.inner, *args))

@@ -293,8 +293,7 @@ def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) 
             or module.padding_mode != "zeros" or isinstance(module.padding, str) or tuple(module.dilation) != (1, 1):
         return None
     n, c, h, w = x.shape
-    if module.groups == 1 and tuple(module.kernel_size) == (1, 1) and tuple(module.stride) == (1, 1) \
-            and tuple(module.padding) == (0, 0) and h * w >= STAGED_POINTWISE_MIN_PLANE:
+    if _is_1x1(module) and h * w >= STAGED_POINTWISE_MIN_PLANE:
         bias = module.bias
         fits = (out is not None and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
                 and tuple(out.shape) == (n, module.out_channels, h * w))
@@ -313,15 +312,25 @@ def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) 
     return None
 
 
+def _step_cap(entries: int) -> int:
+    """The most changed entries of a weight of ``entries`` elements that move kept outputs entry by entry (more:
+    the outputs are computed again, INCREMENTAL_MAX_CHANGED)."""
+    return int(INCREMENTAL_MAX_CHANGED * entries)
+
+
+def _is_1x1(module: nn.Module) -> bool:
+    """Whether the Conv2d ``module`` is a 1x1 convolution of one group: kernel, stride and dilation 1, no padding
+    (a product of its weight and each sample's ``[C, H W]`` rows)."""
+    return (module.groups == 1 and not isinstance(module.padding, str) and tuple(module.padding) == (0, 0)
+            and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation)))
+
+
 def _pointwise_plain(module: nn.Module, x: Any) -> bool:
-    """Whether ``module`` is a 1x1 stride-1 Conv2d of one group without padding or dilation (its own forward) and
-    ``x`` a contiguous float32 CPU batch ``[N, C, H, W]`` of its input: a product of the weight and each sample's
-    ``[C, H W]`` rows."""
-    return (type(module).forward is nn.Conv2d.forward and module.groups == 1 and isinstance(x, torch.Tensor)
-            and x.dim() == 4 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
-            and module.padding_mode == "zeros" and not isinstance(module.padding, str)
-            and all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
-            and tuple(module.padding) == (0, 0))
+    """Whether ``module`` is a 1x1 Conv2d (:func:`_is_1x1`, zero padding mode, its own forward) and ``x`` a
+    contiguous float32 CPU batch ``[N, C, H, W]`` of its input."""
+    return (type(module).forward is nn.Conv2d.forward and module.padding_mode == "zeros" and _is_1x1(module)
+            and isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype == torch.float32
+            and x.device.type == "cpu" and x.is_contiguous())
 
 
 def _attr(module: nn.Module, name: str) -> Any:
@@ -1184,7 +1193,7 @@ class QuadraticLayerLoss:
         n, o, length = y0.shape
         w = m.weight.detach().to(torch.float32).reshape(o, -1).contiguous()
         w0 = self.w0.reshape(o, -1).clone()
-        cap = int(INCREMENTAL_MAX_CHANGED * w.numel())
+        cap = _step_cap(w.numel())
         at = torch.empty(cap, dtype=torch.int64)
         d = torch.empty(cap, dtype=torch.float32)
         k = cpu_steps.kept_diff(w, w0, at, d, 0, cap)
@@ -1435,10 +1444,7 @@ class DirectLayerLoss:
         # 1x1 planes of small layers the convolution stays (a product per sample there is a matrix-vector one).
         plane = math.prod(x.shape[2:]) if x.dim() == 4 else 0
         self.pointwise = (isinstance(module, nn.Conv2d) and module.groups == 1 and x.device.type == "cpu"
-                          and x.is_contiguous()
-                          and (self.unfolded or (
-                              all(tuple(v) == (1, 1) for v in (module.kernel_size, module.stride, module.dilation))
-                              and tuple(module.padding) == (0, 0)))
+                          and x.is_contiguous() and (self.unfolded or _is_1x1(module))
                           and (plane >= POINTWISE_MIN_PLANE
                                or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
@@ -1518,7 +1524,7 @@ class DirectLayerLoss:
         w2 = weight.detach().reshape(o, c)
         n, p = self.x.shape[0], math.prod(self.x.shape[2:])
         xv = self.x.view(n, c, p)
-        cap = int(INCREMENTAL_MAX_CHANGED * o * c)
+        cap = _step_cap(o * c)
         pending, self._pending = self._pending, None
         if self._p0 is not None and self.fused:
             if pending is not None and pending.found is not None:
@@ -1575,7 +1581,7 @@ class DirectLayerLoss:
         if not (self.incremental and self.fused) or self._p0 is None or self._w0 is None:
             return None
         n = self.x.shape[0]
-        cap = int(INCREMENTAL_MAX_CHANGED * self._w0.numel())
+        cap = _step_cap(self._w0.numel())
         self._room(n, cap)
         self._pending = cpu_steps.KeptDiff(self._w0, self._log_at, self._log_d, self._log_len, cap)
         return self._pending
