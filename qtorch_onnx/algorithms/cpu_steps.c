@@ -333,6 +333,7 @@ __attribute__((noinline)) static void adaquant_adam_seg(int64_t n, float *restri
  * (adaquant_adam_seg, row segment by row segment; the caller passes next_outside NULL then: nobody reads it) */
 static int64_t kept_diff_range(int64_t q, int64_t m, const float *w, const float *w0, int64_t cap, int64_t *at,
                                float *d, int64_t k);
+static void kept_diff_commit(int64_t k, int64_t cap, const int64_t *at, const float *w, float *w0);
 
 void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, float *w, const float *gwq,
                       const float *outside, float *m, float *v, float b1, float b2, float eps, float lr_c1,
@@ -360,9 +361,7 @@ void qt_adaquant_adam(int64_t r0, int64_t r1, int64_t channels, int64_t inner, f
             k = kept_diff_range(c0, c0 + len, next, w0, cap, at, d, k);
     }
     if (w0 != NULL) {
-        if (k <= cap)
-            for (int64_t j = 0; j < k; j++)
-                w0[at[j]] = next[at[j]];
+        kept_diff_commit(k, cap, at, next, w0);
         *count = k;
     }
 }
@@ -920,7 +919,8 @@ int64_t qt_all_finite(int64_t m, const float *x) {
  * qt_kept_diff: the entries where w (m = o c floats) differs from w0, in order: their flat indices into at[] and
  * the differences w - w0 into d[] (at most cap of them), w0 set to w there. Returns how many differ; when that is
  * more than cap, nothing is written past cap and w0 is left as it was (the caller recomputes p0). */
-/* the scan of qt_kept_diff over entries [q, m), appending after the k entries found before (the caller updates w0) */
+/* kept_diff_range: qt_kept_diff's scan over entries [q, m), appending after the k entries found before (w0 is updated
+ * by kept_diff_commit once the whole scan is done) */
 static int64_t kept_diff_range(int64_t q, int64_t m, const float *w, const float *w0, int64_t cap, int64_t *at,
                                float *d, int64_t k) {
     /* 16 entries compared at a time (bitwise, as integers: a float32 weight that changed on its grid changes its
@@ -961,11 +961,16 @@ static int64_t kept_diff_range(int64_t q, int64_t m, const float *w, const float
     return k;
 }
 
-int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t *at, float *d) {
-    int64_t k = kept_diff_range(0, m, w, w0, cap, at, d, 0);
+/* w0 takes w's values at the k entries found, when they are all in the log (k <= cap) */
+static void kept_diff_commit(int64_t k, int64_t cap, const int64_t *at, const float *w, float *w0) {
     if (k <= cap)
         for (int64_t j = 0; j < k; j++)
             w0[at[j]] = w[at[j]];
+}
+
+int64_t qt_kept_diff(int64_t m, const float *w, float *w0, int64_t cap, int64_t *at, float *d) {
+    int64_t k = kept_diff_range(0, m, w, w0, cap, at, d, 0);
+    kept_diff_commit(k, cap, at, w, w0);
     return k;
 }
 
