@@ -610,7 +610,8 @@ def main(argv=None) -> int:
                     qi = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 q_runs.append(qi)
                 if rq > 1:
-                    _log(f"{row['name']}: Quark run {i + 1} of {rq}: " + _fmt_side(qi))
+                    _log(f"{row['name']}: Quark run {i + 1} of {rq}: " + (_fmt_time(qi) if qi.get("ok") else
+                                                                            _fmt_side(qi)))
             if i < ro and o_error is None:
                 _log(f"{row['name']}: ours" + (f" run {i + 1} of {ro}" if ro > 1 else ""))
                 try:
@@ -721,9 +722,9 @@ def main(argv=None) -> int:
         results["rows"].append(row)
         _log(f"{row['name']}: Quark {_fmt_side(q)} | ours {_fmt_side(o)}"
              + (f" | ratio per layer-iteration {row['ratio']['per_layer_iteration']:.2f}x" if "ratio" in row else "")
-             + (f" | ours' finetune s over {len(o['repeat_finetune_seconds'])} runs: "
-                + ", ".join(f"{t:.2f}" for t in o["repeat_finetune_seconds"])
-                if len(o.get("repeat_finetune_seconds", ())) > 1 else ""))
+             + "".join(f" | {who} finetune s over {len(v['repeat_finetune_seconds'])} runs: "
+                       + ", ".join(f"{t:.2f}" for t in v["repeat_finetune_seconds"])
+                       for who, v in (("Quark's", q), ("ours'", o)) if len(v.get("repeat_finetune_seconds", ())) > 1))
         results["seconds"] = time.perf_counter() - t_start
         results["loadavg_end"] = os.getloadavg()
         _save(results, out)
@@ -739,13 +740,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def _fmt_time(v: dict) -> str:
+    return f"{v['seconds']:.1f} s" + (f" (finetune {v['finetune_seconds']:.1f} s)" if v.get("finetune_seconds") else "")
+
+
 def _fmt_side(v: dict) -> str:
     if not v.get("ok"):
         return f"failed ({v.get('error', '?')[:120]})"
-    s = f"rel.err {v.get('rel_error', float('nan')):.4f}, {v['seconds']:.1f} s"
-    if v.get("finetune_seconds"):
-        s += f" (finetune {v['finetune_seconds']:.1f} s)"
-    return s
+    return f"rel.err {v.get('rel_error', float('nan')):.4f}, " + _fmt_time(v)
 
 
 def _save(results: dict, out: Path) -> None:
