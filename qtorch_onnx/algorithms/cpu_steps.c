@@ -817,16 +817,19 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
 }
 
 /* --------------------------------------------------------------------------- direct layer loss */
-/* One mini-batch row of fast finetune's direct layer loss (DirectLayerLoss, algorithms/reconstruction.py): the
- * pre-activation outputs p (n floats, overwritten) against the target y:
- *   a = clamp(p, lo, hi);  r = a - y;  returns sum r^2 (float64)
- *   p := gscale r ([lo < p < hi] + wlo [p == lo] + whi [p == hi])
- * wlo / whi: the activation's own gradient at its bounds (torch 2.14's clamp passes none there). NaN passes the
- * clamp (torch.clamp keeps it), so r and the sum are NaN; its mask is 0. Identity: lo = -inf, hi = inf. The new p
- * is the torch expression (gscale r) m to the bit (the mask's terms are exact). 16 independent float64 lane sums:
- * vector registers without reassociation, the same sum on every machine. */
-__attribute__((noinline)) static double act_residual_row(int64_t n, float *restrict p, const float *restrict y,
-                                                        float lo, float hi, float wlo, float whi, float gscale) {
+/* The residual's gradient mask [lo < x < hi] + wlo [x == lo] + whi [x == hi]. BOUNDS 0 (wlo = whi = 0: an activation
+ * with no gradient at its bounds, torch 2.14's clamp) takes [lo < x < hi] alone, which is that sum's value exactly:
+ * both products are +0 and a 0 / 1 float plus +0 is itself. */
+#define RESID_MASK(BOUNDS, x)                                                                                          \
+    ((BOUNDS) ? (float)(((x) > lo) & ((x) < hi)) + wlo * (float)((x) == lo) + whi * (float)((x) == hi)                \
+              : (float)(((x) > lo) & ((x) < hi)))
+
+/* act_residual_row's loop with its switches as constants (inlined into one copy per case): BOUNDS as RESID_MASK's,
+ * SSE 0: the sum of r^2 not taken (0 returned; a mini-batch whose loss nobody reads), the gradient the same. */
+static inline __attribute__((always_inline)) double act_residual_body(int64_t n, float *restrict p,
+                                                                      const float *restrict y, float lo, float hi,
+                                                                      float wlo, float whi, float gscale,
+                                                                      const int BOUNDS, const int SSE) {
     double acc[16] = {0.0};
     int64_t q = 0;
     for (; q + 16 <= n; q += 16)
@@ -834,29 +837,53 @@ __attribute__((noinline)) static double act_residual_row(int64_t n, float *restr
             float x = p[q + t];
             float a = x < lo ? lo : (x > hi ? hi : x);
             float r = a - y[q + t];
-            acc[t] += (double)r * (double)r;
-            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            if (SSE)
+                acc[t] += (double)r * (double)r;
+            float m = RESID_MASK(BOUNDS, x);
             p[q + t] = gscale * r * m;
         }
     double total = 0.0;
-    for (int t = 0; t < 16; t++)
+    for (int t = 0; SSE && t < 16; t++)
         total += acc[t];
     for (; q < n; q++) {
         float x = p[q];
         float a = x < lo ? lo : (x > hi ? hi : x);
         float r = a - y[q];
-        total += (double)r * (double)r;
-        float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+        if (SSE)
+            total += (double)r * (double)r;
+        float m = RESID_MASK(BOUNDS, x);
         p[q] = gscale * r * m;
     }
     return total;
 }
 
-/* rows b in [b0, b1) of pre (each len floats) against the rows idx[b] of target; sse[b]: each row's sum */
+/* One mini-batch row of fast finetune's direct layer loss (DirectLayerLoss, algorithms/reconstruction.py): the
+ * pre-activation outputs p (n floats, overwritten) against the target y:
+ *   a = clamp(p, lo, hi);  r = a - y;  returns sum r^2 (float64; 0 without want_sse)
+ *   p := gscale r ([lo < p < hi] + wlo [p == lo] + whi [p == hi])
+ * wlo / whi: the activation's own gradient at its bounds (torch 2.14's clamp passes none there). NaN passes the
+ * clamp (torch.clamp keeps it), so r and the sum are NaN; its mask is 0. Identity: lo = -inf, hi = inf. The new p
+ * is the torch expression (gscale r) m to the bit (the mask's terms are exact). 16 independent float64 lane sums:
+ * vector registers without reassociation, the same sum on every machine. */
+__attribute__((noinline)) static double act_residual_row(int64_t n, float *restrict p, const float *restrict y,
+                                                        float lo, float hi, float wlo, float whi, float gscale,
+                                                        int want_sse) {
+    if (wlo != 0.0f || whi != 0.0f)
+        return want_sse ? act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 1, 1)
+                        : act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 1, 0);
+    return want_sse ? act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 0, 1)
+                    : act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 0, 0);
+}
+
+/* rows b in [b0, b1) of pre (each len floats) against the rows idx[b] of target; sse[b]: each row's sum (sse NULL:
+ * not taken) */
 void qt_act_residual(int64_t b0, int64_t b1, int64_t len, float *pre, const float *target, const int64_t *idx,
                      float lo, float hi, float wlo, float whi, float gscale, double *sse) {
-    for (int64_t b = b0; b < b1; b++)
-        sse[b] = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale);
+    for (int64_t b = b0; b < b1; b++) {
+        double v = act_residual_row(len, pre + b * len, target + idx[b] * len, lo, hi, wlo, whi, gscale, sse != NULL);
+        if (sse != NULL)
+            sse[b] = v;
+    }
 }
 
 /* The sum of act_residual_row without its gradient: p is read only (a finished layer's outputs, kept for the layers
@@ -1026,15 +1053,10 @@ void qt_kept_replay(int64_t b0, int64_t b1, const int64_t *samples, const int64_
     }
 }
 
-/* act_residual_row for a row of kept outputs: the pre-activation values are p0's row plus the bias of each channel
- * (ch channels of plane floats; bias NULL: none), read from p0 and written as the output gradient into g, with
- * gsum[c] (not NULL) the float64 sum of channel c's gradient (the bias gradient's terms). The 16 float64 lane
- * sums run within each channel, a channel's tail (plane % 16) into one more sum. */
-__attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_t plane, const float *restrict p0,
-                                                             const float *restrict bias, float *restrict g,
-                                                             int64_t gstride, const float *restrict y, float lo,
-                                                             float hi, float wlo, float whi, float gscale,
-                                                             double *restrict gsum) {
+static inline __attribute__((always_inline)) double act_residual_kept_body(
+    int64_t ch, int64_t plane, const float *restrict p0, const float *restrict bias, float *restrict g, int64_t gstride,
+    const float *restrict y, float lo, float hi, float wlo, float whi, float gscale, double *restrict gsum,
+    const int BOUNDS, const int SSE, const int GSUM) {
     double acc[16] = {0.0}, tail = 0.0;
     for (int64_t c = 0; c < ch; c++) {
         const float bv = bias ? bias[c] : 0.0f;
@@ -1047,36 +1069,68 @@ __attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_
                 float x = bias ? pc[q + t] + bv : pc[q + t];
                 float a = x < lo ? lo : (x > hi ? hi : x);
                 float r = a - yc[q + t];
-                acc[t] += (double)r * (double)r;
-                float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+                if (SSE)
+                    acc[t] += (double)r * (double)r;
+                float m = RESID_MASK(BOUNDS, x);
                 float v = gscale * r * m;
                 gc[q + t] = v;
-                gs[t] += (double)v;
+                if (GSUM)
+                    gs[t] += (double)v;
             }
         for (; q < plane; q++) {
             float x = bias ? pc[q] + bv : pc[q];
             float a = x < lo ? lo : (x > hi ? hi : x);
             float r = a - yc[q];
-            tail += (double)r * (double)r;
-            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            if (SSE)
+                tail += (double)r * (double)r;
+            float m = RESID_MASK(BOUNDS, x);
             float v = gscale * r * m;
             gc[q] = v;
-            gt += (double)v;
+            if (GSUM)
+                gt += (double)v;
         }
-        if (gsum) {
+        if (GSUM) {
             for (int t = 0; t < 16; t++)
                 gt += gs[t];
             gsum[c] = gt;
         }
     }
     double total = tail;
-    for (int t = 0; t < 16; t++)
+    for (int t = 0; SSE && t < 16; t++)
         total += acc[t];
     return total;
 }
 
+/* act_residual_row for a row of kept outputs: the pre-activation values are p0's row plus the bias of each channel
+ * (ch channels of plane floats; bias NULL: none), read from p0 and written as the output gradient into g, with
+ * gsum[c] (not NULL) the float64 sum of channel c's gradient (the bias gradient's terms). The 16 float64 lane
+ * sums run within each channel, a channel's tail (plane % 16) into one more sum. want_sse 0: the sum of r^2 not
+ * taken (0 returned); each case its own copy of the loop (act_residual_kept_body). */
+__attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_t plane, const float *restrict p0,
+                                                             const float *restrict bias, float *restrict g,
+                                                             int64_t gstride, const float *restrict y, float lo,
+                                                             float hi, float wlo, float whi, float gscale,
+                                                             double *restrict gsum, int want_sse) {
+#define KEPT_CASE(B, S, G)                                                                                             \
+    return act_residual_kept_body(ch, plane, p0, bias, g, gstride, y, lo, hi, wlo, whi, gscale, gsum, B, S, G)
+    const int bounds = wlo != 0.0f || whi != 0.0f;
+    if (bounds) {
+        if (want_sse) {
+            if (gsum) KEPT_CASE(1, 1, 1); else KEPT_CASE(1, 1, 0);
+        } else {
+            if (gsum) KEPT_CASE(1, 0, 1); else KEPT_CASE(1, 0, 0);
+        }
+    }
+    if (want_sse) {
+        if (gsum) KEPT_CASE(0, 1, 1); else KEPT_CASE(0, 1, 0);
+    }
+    if (gsum) KEPT_CASE(0, 0, 1);
+    KEPT_CASE(0, 0, 0);
+#undef KEPT_CASE
+}
+
 /* rows b in [b0, b1) of the mini-batch: the kept outputs p0[idx[b]] plus the bias against target[idx[b]] (each
- * row ch * plane floats), the gradient into g's row b, sse[b] the row's sum, gsum[b * ch + c] (gsum not NULL) its
+ * row ch * plane floats), the gradient into g's row b, sse[b] (sse not NULL) the row's sum, gsum[b * ch + c] (gsum not NULL) its
  * channels' gradient sums. With by_channel, x (not NULL: the layer's input [n, xc, plane]) is gathered the same way
  * into xg ([xc, nb, plane]: the mini-batch's input rows side by side per channel, the weight gradient's other
  * operand) */
@@ -1086,9 +1140,12 @@ void qt_act_residual_kept(int64_t b0, int64_t b1, int64_t ch, int64_t plane, con
                           int64_t xc, float *xg) {
     int64_t len = ch * plane;
     for (int64_t b = b0; b < b1; b++) { /* g: [nb, ch, plane], or [ch, nb, plane] with by_channel */
-        sse[b] = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias, by_channel ? g + b * plane : g + b * len,
-                                       by_channel ? nb * plane : plane, target + idx[b] * len, lo, hi, wlo, whi,
-                                       gscale, gsum ? gsum + b * ch : NULL);
+        double v = act_residual_kept_row(ch, plane, p0 + idx[b] * len, bias,
+                                         by_channel ? g + b * plane : g + b * len, by_channel ? nb * plane : plane,
+                                         target + idx[b] * len, lo, hi, wlo, whi, gscale, gsum ? gsum + b * ch : NULL,
+                                         sse != NULL);
+        if (sse != NULL)
+            sse[b] = v;
         if (by_channel && x)
             for (int64_t c = 0; c < xc; c++)
                 memcpy(xg + (c * nb + b) * plane, x + (idx[b] * xc + c) * plane, (size_t)plane * sizeof(float));
@@ -1709,7 +1766,8 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             else
                 phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
             dw_forward_plane(pp, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
-            total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale);
+            total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale,
+                                      sse != NULL);
             if (gw != NULL)
                 dw_wgrad_plane(pp, wq, k, off, sh, ho, wo, plane, tot);
             if (gb != NULL) {
@@ -1728,35 +1786,60 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             gw[ch * k + i] = (float)tot[i];
         if (gb != NULL)
             gb[ch] = (float)gsum;
-        sse[ch] = total;
+        if (sse != NULL)
+            sse[ch] = total;
     }
 }
 
 /* act_residual_row on a row of the channel-blocked layout (n = positions x GB floats: lane q % GB is the channel),
- * its sums per channel: sse[t] += r^2 and gs[t] += g (float64, position order), p := g. The same expressions as
- * act_residual_row, so the same g. */
-static void act_residual_lanes(int64_t n, float *restrict p, const float *restrict y, float lo, float hi, float wlo,
-                               float whi, float gscale, double *restrict sse, double *restrict gs) {
+ * its sums per channel: sse[t] += r^2 (sse not NULL) and gs[t] += g (gs not NULL) (float64, position order), p := g.
+ * The same expressions as act_residual_row, so the same g; each case its own copy of the loop. */
+static inline __attribute__((always_inline)) void act_residual_lanes_body(int64_t n, float *restrict p,
+                                                                          const float *restrict y, float lo, float hi,
+                                                                          float wlo, float whi, float gscale,
+                                                                          double *restrict sse, double *restrict gs,
+                                                                          const int BOUNDS, const int SSE,
+                                                                          const int GSUM) {
     double acc[GB], gac[GB];
     for (int t = 0; t < GB; t++) {
-        acc[t] = sse[t];
-        gac[t] = gs[t];
+        acc[t] = SSE ? sse[t] : 0.0;
+        gac[t] = GSUM ? gs[t] : 0.0;
     }
     for (int64_t q = 0; q < n; q += GB)
         for (int t = 0; t < GB; t++) {
             float x = p[q + t];
             float a = x < lo ? lo : (x > hi ? hi : x);
             float r = a - y[q + t];
-            acc[t] += (double)r * (double)r;
-            float m = (float)((x > lo) & (x < hi)) + wlo * (float)(x == lo) + whi * (float)(x == hi);
+            if (SSE)
+                acc[t] += (double)r * (double)r;
+            float m = RESID_MASK(BOUNDS, x);
             float g = gscale * r * m;
             p[q + t] = g;
-            gac[t] += (double)g;
+            if (GSUM)
+                gac[t] += (double)g;
         }
     for (int t = 0; t < GB; t++) {
-        sse[t] = acc[t];
-        gs[t] = gac[t];
+        if (SSE)
+            sse[t] = acc[t];
+        if (GSUM)
+            gs[t] = gac[t];
     }
+}
+static void act_residual_lanes(int64_t n, float *restrict p, const float *restrict y, float lo, float hi, float wlo,
+                               float whi, float gscale, double *restrict sse, double *restrict gs) {
+#define LANES_CASE(B, S, G) act_residual_lanes_body(n, p, y, lo, hi, wlo, whi, gscale, sse, gs, B, S, G)
+    if (wlo != 0.0f || whi != 0.0f) {
+        if (sse) {
+            if (gs) LANES_CASE(1, 1, 1); else LANES_CASE(1, 1, 0);
+        } else {
+            if (gs) LANES_CASE(1, 0, 1); else LANES_CASE(1, 0, 0);
+        }
+    } else if (sse) {
+        if (gs) LANES_CASE(0, 1, 1); else LANES_CASE(0, 1, 0);
+    } else {
+        if (gs) LANES_CASE(0, 0, 1); else LANES_CASE(0, 0, 0);
+    }
+#undef LANES_CASE
 }
 
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dwb8_plane_* below) */
@@ -2067,7 +2150,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
             dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, prow);
-            act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, ssel, gsl);
+            act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, sse != NULL ? ssel : NULL,
+                               gb != NULL ? gsl : NULL);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
                 int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -2087,7 +2171,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 gw[(c0 + t) * k + i] = (float)gtot[i * GB + t];
             if (gb != NULL)
                 gb[c0 + t] = (float)gsl[t];
-            sse[c0 + t] = ssel[t];
+            if (sse != NULL)
+                sse[c0 + t] = ssel[t];
         }
     }
 }
@@ -2176,4 +2261,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 30; }
+int qt_cpu_steps_version(void) { return 31; }

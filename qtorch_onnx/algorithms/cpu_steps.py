@@ -43,7 +43,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 30
+_VERSION = 31
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -485,21 +485,22 @@ def depthwise_gram(xp: torch.Tensor, kernel, stride, out_hw, r: Optional[torch.T
 
 
 def act_residual(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo: float, hi: float, wlo: float,
-                 whi: float, gscale: float) -> torch.Tensor:
+                 whi: float, gscale: float, want_sse: bool = True) -> Optional[torch.Tensor]:
     """Fast finetune's direct layer loss in one pass (``qt_act_residual``): for the pre-activation outputs ``pre``
     (contiguous float32 ``[B, ...]``, overwritten) and the rows ``idx`` (contiguous int64 ``[B]``, on the CPU) of
     ``target`` (contiguous float32 ``[N, ...]``, each row ``pre[0].numel()`` floats), with ``a = clamp(pre, lo, hi)``
     and ``r = a - target[idx]``: ``pre := gscale * r * m``, ``m`` 1 inside ``(lo, hi)``, ``wlo`` / ``whi`` at the
     bounds, 0 outside and for NaN (the gradient of ``gscale / 2 * sum r^2`` with respect to ``pre`` for an
     activation whose gradient is ``m``; the identity: ``lo = -inf``, ``hi = inf``). Returns ``sum r^2`` per row
-    (float64 ``[B]``). Rows are split between torch's intra-op threads."""
+    (float64 ``[B]``), or None with ``want_sse=False`` (the sums not taken; ``pre`` the same bits). Rows are split
+    between torch's intra-op threads."""
     b = pre.shape[0]
     length = pre[0].numel()
-    sse = torch.empty(b, dtype=torch.float64)
+    sse = torch.empty(b, dtype=torch.float64) if want_sse else None
     fn = library().qt_act_residual
     pool = _pool() if b > 1 and pre.numel() >= PARALLEL_MIN else None
     native.split(fn, b, pool, lambda i, a, e: (a, e, length, pre.data_ptr(), target.data_ptr(), idx.data_ptr(),
-                                         float(lo), float(hi), float(wlo), float(whi), float(gscale), sse.data_ptr()))
+                                         float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(sse)))
     return sse
 
 
@@ -550,7 +551,8 @@ def kept_replay(p0: torch.Tensor, x: torch.Tensor, samples: Sequence[int], start
 def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.Tensor], g: torch.Tensor,
                       target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float, gscale: float,
                       channel_sums: bool, by_channel: bool = False, x: Optional[torch.Tensor] = None,
-                      xg: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      xg: Optional[torch.Tensor] = None, want_sse: bool = True
+                      ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`act_residual` from kept outputs (``qt_act_residual_kept``): the pre-activation values of the rows
     ``idx`` (contiguous int64 ``[B]``) are ``p0[idx] + bias`` (``p0`` contiguous float32 ``[N, O, P]``, read only;
     ``bias`` float32 ``[O]`` or None), their output gradient goes into ``g`` (contiguous float32 ``[B, O, P]``),
@@ -559,11 +561,12 @@ def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.
     ``by_channel``: ``g`` is ``[O, B, P]`` instead (each channel's rows of the mini-batch side by side: the weight
     gradient is then one product ``g [O, B P] x [B P, C]``), the same values; with ``x`` (the layer's input,
     contiguous float32 ``[N, C, P]``) and ``xg`` (contiguous float32 ``[C, B, P]``) the rows ``idx`` of ``x`` are
-    gathered into ``xg`` the same way in the same pass (that product's other operand). Rows are split between
-    torch's intra-op threads."""
+    gathered into ``xg`` the same way in the same pass (that product's other operand). ``want_sse=False``: the
+    sums of ``r^2`` are not taken (None returned in their place; the gradient the same bits). Rows are split
+    between torch's intra-op threads."""
     b = idx.numel()
     o, p = p0.shape[1], p0.shape[2]
-    sse = torch.empty(b, dtype=torch.float64)
+    sse = torch.empty(b, dtype=torch.float64) if want_sse else None
     gsum = torch.empty(b, o, dtype=torch.float64) if channel_sums else None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or bias.requires_grad):
         bias = bias.detach().to(torch.float32).contiguous()
@@ -572,7 +575,7 @@ def act_residual_kept(p0: torch.Tensor, idx: torch.Tensor, bias: Optional[torch.
     native.split(library().qt_act_residual_kept, b, pool,
                  lambda i, a, e: (a, e, o, p, p0.data_ptr(), _ptr(bias), g.data_ptr(), target.data_ptr(),
                                   idx.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
-                                  sse.data_ptr(), _ptr(gsum), b, int(by_channel), _ptr(x) if gather else None,
+                                  _ptr(sse), _ptr(gsum), b, int(by_channel), _ptr(x) if gather else None,
                                   x.shape[1] if gather else 0, _ptr(xg) if gather else None))
     return sse, gsum
 
@@ -733,7 +736,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
         blocked = prepared.blocked
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
-    sse = torch.empty(c, dtype=torch.float64)
+    sse = torch.empty(c, dtype=torch.float64) if want_sse else None  # (not summed in C without it)
     bias_c = None if bias is None else bias.contiguous()
     if blocked is None:
         blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
@@ -752,7 +755,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                      lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                       weight.data_ptr(), _ptr(bias_c),
                                       target.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
-                                      _ptr(gw), _ptr(gb), sse.data_ptr(), _row(xs, i), _row(ts, i), _row(wb, i),
+                                      _ptr(gw), _ptr(gb), _ptr(sse), _row(xs, i), _row(ts, i), _row(wb, i),
                                       _row(prow, i), _row(tot, i), xs_all, ts_all))
         return gw, gb, (sse.sum() if want_sse else None)
     pool = _pool() if c > 1 and work >= PARALLEL_MIN else None
@@ -767,7 +770,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(),
                                   float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb),
-                                  sse.data_ptr(), _row(scratch, i), _row(plane, i), _row(tot, i), phases))
+                                  _ptr(sse), _row(scratch, i), _row(plane, i), _row(tot, i), phases))
     return gw, gb, (sse.sum() if want_sse else None)
 
 

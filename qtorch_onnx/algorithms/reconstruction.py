@@ -1636,12 +1636,14 @@ class DirectLayerLoss:
             return y.reshape(*xb.shape[:-1], y.shape[-1]), xb
         return self.conv(xb, weight, bias, *self.args).contiguous(), xb
 
-    def _residual(self, pre: torch.Tensor, ids: torch.Tensor, gscale: float):
+    def _residual(self, pre: torch.Tensor, ids: torch.Tensor, gscale: float, want_loss: bool = True):
         """``(sse, g)``: ``sum r^2`` (0-d float64) of ``r = act(pre) - target[ids]`` and the output gradient
-        ``gscale * r * act'(pre)`` (in ``pre``'s memory on a CPU)."""
+        ``gscale * r * act'(pre)`` (in ``pre``'s memory on a CPU). ``want_loss=False``: on a CPU ``sse`` is None
+        (the C pass skips its sums); elsewhere it is computed anyway."""
         if self.fused:
-            sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, gscale)
-            return sse.sum(), pre
+            sse = cpu_steps.act_residual(pre, self.target, ids, self.lo, self.hi, self.wlo, self.whi, gscale,
+                                         want_sse=want_loss)
+            return (sse.sum() if sse is not None else None), pre
         a = pre if self.identity else pre.clamp(self.lo, self.hi)
         r = a - self.target.index_select(0, ids.to(pre.device))
         sse = torch.dot(r.reshape(-1), r.reshape(-1)).double()  # float32 products and sum
@@ -1691,14 +1693,15 @@ class DirectLayerLoss:
                 xg = self._xg
             rows, gsum = cpu_steps.act_residual_kept(p0, ids, self.bias if bias is None else bias, g,
                                                      self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f,
-                                                     bias is not None, by_channel=by_channel, x=self.x, xg=xg)
+                                                     bias is not None, by_channel=by_channel, x=self.x, xg=xg,
+                                                     want_sse=want_loss)
             sse, xb = (rows.sum() if want_loss else None), None
             if gsum is not None:
                 gb = gsum.sum(0).to(torch.float32)
         else:
             forward = self._forward_incremental if self.incremental else self._forward
             pre, xb = forward(ids, weight, self.bias if bias is None else bias)
-            sse, g = self._residual(pre, ids, 2.0 * f)
+            sse, g = self._residual(pre, ids, 2.0 * f, want_loss)
         if by_channel:  # g [O, B, P]: one product [O, B P] x [B P, C] over the mini-batch's positions
             gw = matmul_nt(g.view(g.shape[0], -1), xg.view(xg.shape[0], -1)).reshape(weight.shape)
         elif self.pointwise:  # sum over the samples of g_i x_i^T, [out, P] x [P, C] each

@@ -332,6 +332,13 @@ def test_act_residual_is_the_torch_expression(monkeypatch, lo, hi, wlo, whi):
         finally:
             torch.set_num_threads(before)
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        nosums = pre.clone()  # without the sums (an iteration whose loss nobody reads): the same gradient
+        torch.set_num_threads(threads)
+        try:
+            assert cpu_steps.act_residual(nosums, target, idx, lo, hi, wlo, whi, gscale, want_sse=False) is None
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(nosums.view(torch.int32), ref.view(torch.int32))
         ref_sse = (ref_r.double() ** 2).reshape(3, -1).sum(1)
         finite = torch.isfinite(ref_sse)
         assert torch.equal(torch.isfinite(sse), finite) and not bool(finite.all())
@@ -431,6 +438,11 @@ def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, s
     gw3, gb3, _ = cpu_steps.depthwise_direct(x, idx, w, None, conv.kernel_size, conv.stride, conv.padding, target,
                                              lo, hi, wlo, whi, 0.25, False, blocked=blocked)
     assert gb3 is None and gw3.shape == gw.shape
+    # without the loss (the iterations nobody reads it on: its sums skipped in C): the same gradients, bit for bit
+    gw4, gb4, none = cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding, target,
+                                                lo, hi, wlo, whi, 0.25, True, blocked=blocked, want_sse=False)
+    assert none is None and torch.equal(gw4.view(torch.int32), gw.view(torch.int32))
+    assert torch.equal(gb4.view(torch.int32), gb.view(torch.int32))
     none_w, none_b, alone = cpu_steps.depthwise_direct(x, idx, w, b, conv.kernel_size, conv.stride, conv.padding,
                                                        target, lo, hi, wlo, whi, 0.0, True, grads=False,
                                                        blocked=blocked)
@@ -883,6 +895,40 @@ def test_act_residual_kept_by_channel_is_the_same_gradient_transposed():
     s2, c2 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, 0.0, 0.0, 0.3, True, by_channel=True)
     assert torch.equal(g2.transpose(0, 1).view(torch.int32), g1.view(torch.int32))
     assert torch.equal(s1, s2) and torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 0.0), (0.5, 1.0)])
+def test_act_residual_kept_without_the_loss_is_the_same_gradient(bounds):
+    """act_residual_kept(want_sse=False), the iterations whose loss nobody reads: no sums of squares (None), the
+    gradient and the channel sums bit for bit as with them, the clamp's bounds with and without their own gradient
+    (wlo / whi: a loop of its own without them), outputs exactly at a bound, NaN and a plane with a tail (37 % 16)
+    included; against the torch expression of the gradient."""
+    gen = torch.Generator().manual_seed(14)
+    n, o, p = 4, 6, 37
+    p0 = torch.randn(n, o, p, generator=gen)
+    p0[1, 0, :4] = torch.tensor([0.0, 1.0, float("nan"), -0.0])  # at lo / hi, NaN, -0 (the bias added: none below)
+    target = torch.randn(n, o, p, generator=gen).clamp(0.0, 1.0)
+    idx = torch.tensor([1, 3, 1])
+    wlo, whi = bounds
+    for bias in (None, torch.randn(o, generator=gen)):
+        for by_channel in (False, True):
+            shape = (o, 3, p) if by_channel else (3, o, p)
+            g1, g2 = torch.empty(shape), torch.empty(shape)
+            s1, c1 = cpu_steps.act_residual_kept(p0, idx, bias, g1, target, 0.0, 1.0, wlo, whi, 0.3, True,
+                                                 by_channel=by_channel)
+            s2, c2 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, wlo, whi, 0.3, True,
+                                                 by_channel=by_channel, want_sse=False)
+            assert s2 is None and s1 is not None
+            assert torch.equal(g1.view(torch.int32), g2.view(torch.int32))
+            assert torch.equal(c1.view(torch.int64), c2.view(torch.int64))  # (a NaN channel included)
+            _, c3 = cpu_steps.act_residual_kept(p0, idx, bias, g2, target, 0.0, 1.0, wlo, whi, 0.3, False,
+                                                by_channel=by_channel, want_sse=False)
+            assert c3 is None and torch.equal(g1.view(torch.int32), g2.view(torch.int32))
+            pre = p0[idx] + (0.0 if bias is None else bias.view(1, -1, 1))
+            m = ((pre > 0.0) & (pre < 1.0)).float() + wlo * (pre == 0.0).float() + whi * (pre == 1.0).float()
+            ref = (0.3 * (pre.clamp(0.0, 1.0) - target[idx])) * m
+            got = g1.transpose(0, 1) if by_channel else g1
+            assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
