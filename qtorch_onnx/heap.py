@@ -19,6 +19,12 @@ explicit ``malloc_trim(0)`` there cost the next call 0.1 s of page faults to reg
 AdaRound 50 2.66 -> 2.75 s); the mmap threshold stays at 32 MiB (glibc stops adapting it once it has been set,
 and 32 MiB is where its adaptation ends up under large tensors anyway).
 
+What it cannot mend: torch allocates with ``posix_memalign``, which before glibc 2.38 asks the heap for the size
+plus the alignment plus 32 bytes, so a block freed by a tensor is too small for the next request of the same size;
+the heap then grows past it and the new block's pages fault in (glibc 2.36, a 78 MB tensor allocated and freed five
+times: 78 MB higher each time, 19 k faults each; docs/benchmarks.md, "The residual passes without the sums nobody
+reads"). Requests of other sizes do take freed blocks.
+
 It does nothing where the C library is not glibc (macOS, Windows, musl) and when the
 environment variable ``QTORCH_ONNX_TUNE_HEAP`` is ``0``. :func:`qtorch_onnx.calibrate`,
 :func:`qtorch_onnx.fast_finetune`, :func:`qtorch_onnx.bias_correction`, :func:`qtorch_onnx.sensitivity` and
