@@ -23,7 +23,7 @@ What it cannot mend: torch allocates with ``posix_memalign``, which before glibc
 plus the alignment plus 32 bytes, so a block freed by a tensor is too small for the next request of the same size;
 the heap then grows past it and the new block's pages fault in (glibc 2.36, a 78 MB tensor allocated and freed five
 times: 78 MB higher each time, 19 k faults each; docs/benchmarks.md, "The residual passes without the sums nobody
-reads"). Requests of other sizes do take freed blocks.
+reads").
 
 It does nothing where the C library is not glibc (macOS, Windows, musl) and when the
 environment variable ``QTORCH_ONNX_TUNE_HEAP`` is ``0``. :func:`qtorch_onnx.calibrate`,

@@ -824,6 +824,21 @@ void qt_depthwise_gram_blocked(int64_t q0, int64_t q1, int64_t nc, int64_t hp, i
     ((BOUNDS) ? (float)(((x) > lo) & ((x) < hi)) + wlo * (float)((x) == lo) + whi * (float)((x) == hi)                \
               : (float)(((x) > lo) & ((x) < hi)))
 
+/* The residual loops' switches as constants: CASE(BOUNDS, SSE, GSUM) (a statement) with each of the three a literal
+ * 0 / 1, chosen by the runtime values; with BOUNDS true where the activation has a gradient at a bound (wlo or whi
+ * not 0). Each case is its own copy of the inlined loop; a switch passed as a literal 0 folds its branch away. */
+#define RESID_DISPATCH(CASE, wlo, whi, sse, gsum)                                                                      \
+    do {                                                                                                               \
+        const int b_ = (wlo) != 0.0f || (whi) != 0.0f, s_ = (sse), g_ = (gsum);                                        \
+        if (b_) {                                                                                                      \
+            if (s_) { if (g_) CASE(1, 1, 1); else CASE(1, 1, 0); }                                                     \
+            else { if (g_) CASE(1, 0, 1); else CASE(1, 0, 0); }                                                        \
+        } else {                                                                                                       \
+            if (s_) { if (g_) CASE(0, 1, 1); else CASE(0, 1, 0); }                                                     \
+            else { if (g_) CASE(0, 0, 1); else CASE(0, 0, 0); }                                                        \
+        }                                                                                                              \
+    } while (0)
+
 /* act_residual_row's loop with its switches as constants (inlined into one copy per case): BOUNDS as RESID_MASK's,
  * SSE 0: the sum of r^2 not taken (0 returned; a mini-batch whose loss nobody reads), the gradient the same. */
 static inline __attribute__((always_inline)) double act_residual_body(int64_t n, float *restrict p,
@@ -868,11 +883,11 @@ static inline __attribute__((always_inline)) double act_residual_body(int64_t n,
 __attribute__((noinline)) static double act_residual_row(int64_t n, float *restrict p, const float *restrict y,
                                                         float lo, float hi, float wlo, float whi, float gscale,
                                                         int want_sse) {
-    if (wlo != 0.0f || whi != 0.0f)
-        return want_sse ? act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 1, 1)
-                        : act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 1, 0);
-    return want_sse ? act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 0, 1)
-                    : act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, 0, 0);
+    double total = 0.0;
+#define ROW_CASE(B, S, G) total = act_residual_body(n, p, y, lo, hi, wlo, whi, gscale, B, S)
+    RESID_DISPATCH(ROW_CASE, wlo, whi, want_sse, 0);
+#undef ROW_CASE
+    return total;
 }
 
 /* rows b in [b0, b1) of pre (each len floats) against the rows idx[b] of target; sse[b]: each row's sum (sse NULL:
@@ -1111,22 +1126,12 @@ __attribute__((noinline)) static double act_residual_kept_row(int64_t ch, int64_
                                                              int64_t gstride, const float *restrict y, float lo,
                                                              float hi, float wlo, float whi, float gscale,
                                                              double *restrict gsum, int want_sse) {
+    double total = 0.0;
 #define KEPT_CASE(B, S, G)                                                                                             \
-    return act_residual_kept_body(ch, plane, p0, bias, g, gstride, y, lo, hi, wlo, whi, gscale, gsum, B, S, G)
-    const int bounds = wlo != 0.0f || whi != 0.0f;
-    if (bounds) {
-        if (want_sse) {
-            if (gsum) KEPT_CASE(1, 1, 1); else KEPT_CASE(1, 1, 0);
-        } else {
-            if (gsum) KEPT_CASE(1, 0, 1); else KEPT_CASE(1, 0, 0);
-        }
-    }
-    if (want_sse) {
-        if (gsum) KEPT_CASE(0, 1, 1); else KEPT_CASE(0, 1, 0);
-    }
-    if (gsum) KEPT_CASE(0, 0, 1);
-    KEPT_CASE(0, 0, 0);
+    total = act_residual_kept_body(ch, plane, p0, bias, g, gstride, y, lo, hi, wlo, whi, gscale, gsum, B, S, G)
+    RESID_DISPATCH(KEPT_CASE, wlo, whi, want_sse, gsum != NULL);
 #undef KEPT_CASE
+    return total;
 }
 
 /* rows b in [b0, b1) of the mini-batch: the kept outputs p0[idx[b]] plus the bias against target[idx[b]] (each
@@ -1828,17 +1833,7 @@ static inline __attribute__((always_inline)) void act_residual_lanes_body(int64_
 static void act_residual_lanes(int64_t n, float *restrict p, const float *restrict y, float lo, float hi, float wlo,
                                float whi, float gscale, double *restrict sse, double *restrict gs) {
 #define LANES_CASE(B, S, G) act_residual_lanes_body(n, p, y, lo, hi, wlo, whi, gscale, sse, gs, B, S, G)
-    if (wlo != 0.0f || whi != 0.0f) {
-        if (sse) {
-            if (gs) LANES_CASE(1, 1, 1); else LANES_CASE(1, 1, 0);
-        } else {
-            if (gs) LANES_CASE(1, 0, 1); else LANES_CASE(1, 0, 0);
-        }
-    } else if (sse) {
-        if (gs) LANES_CASE(0, 1, 1); else LANES_CASE(0, 1, 0);
-    } else {
-        if (gs) LANES_CASE(0, 0, 1); else LANES_CASE(0, 0, 0);
-    }
+    RESID_DISPATCH(LANES_CASE, wlo, whi, sse != NULL, gs != NULL);
 #undef LANES_CASE
 }
 
