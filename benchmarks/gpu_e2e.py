@@ -11,13 +11,16 @@ seed), and ``fast_finetune_loop_speedup_vs_cpu`` is the ratio of the two iterati
 device it also runs with the cached activations kept on the device (``fast_finetune_mem_opt_level_0``) and with
 autograd through the quantizers (``fast_finetune_autograd``, :data:`FT_VARIANTS`).
 
-Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity) and
-prints one line per check; exits 1 if any check failed.
+Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity, and
+``fingerprints``: SHA-256 digests of the calibration inputs and of the model's state after calibration, after the QAT
+steps and after each fast finetune, to find the stage where two runs on different machines part, plus the CUDA, cuDNN
+and driver versions) and prints one line per check; exits 1 if any check failed.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import platform
@@ -31,6 +34,60 @@ def _device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     return platform.processor() or platform.machine()
+
+
+def _cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def state_digest(module) -> str:
+    """SHA-256 (hex, first 16 digits) of ``module``'s state dict: every tensor's name, dtype, shape and bytes (copied
+    to the host), in name order. Two runs whose digests agree hold the same bits."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        if isinstance(t, torch.Tensor):
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def tensor_digest(t) -> str:
+    """SHA-256 (hex, first 16 digits) of a tensor's dtype, shape and bytes."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                          ).hexdigest()[:16]
+
+
+def library_versions() -> dict:
+    """torch's CUDA and cuDNN versions and the CUDA driver's (None where unknown)."""
+    import torch
+
+    out = {"cuda": torch.version.cuda, "cudnn": None, "driver": None}
+    try:
+        out["cudnn"] = torch.backends.cudnn.version()
+    except Exception:  # no cuDNN in this build
+        pass
+    try:
+        import subprocess
+
+        out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except Exception:  # no nvidia-smi
+        pass
+    return out
 
 
 #: fast finetune variants timed with --ft-cpu-baseline besides the default (MemOptLevel 1, written-out steps)
@@ -98,6 +155,7 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     rec["calibrate_s"] = time.perf_counter() - t
     samples = to_samples(calib, qm.input_specs)
     x = torch.cat([s[0] for s in samples], 0).to(device)
+    fp = rec["fingerprints"] = {"calibration_inputs": tensor_digest(x), "calibrated": state_digest(qm)}
     # QAT steps with learnable scales (integer configs), the float model as teacher
     qo.learn_scales(qm)
     before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
@@ -123,6 +181,7 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     changed = any(not torch.equal(before[k], v.detach()) for k, v in qm.onnx_parameters().items())
     rec["checks"]["qat_loss_finite"] = all(np.isfinite(losses))
     rec["checks"]["qat_parameters_changed"] = bool(changed) or steps == 0
+    fp["after_qat"] = state_digest(qm)
     qm.eval()
     # sensitivity sweep on the device: each layer switched to INT8 (BFP16 for float configs) from its branch
     # point must give exactly the outputs of a full forward pass with that layer switched
@@ -156,15 +215,18 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
             twin = copy.deepcopy(qm)
             qo.fast_finetune(twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False, **kw)
             rec[f"fast_finetune_{name}"] = _finetune_figures(twin.finetune_report)
+            fp[f"fast_finetune_{name}"] = state_digest(twin)
             del twin
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
     rec["fast_finetune_s"] = time.perf_counter() - t
     rec["fast_finetune"] = _finetune_figures(qm.finetune_report)
+    fp["fast_finetune"] = state_digest(qm)
     if cpu_twin is not None:
         qo.fast_finetune(cpu_twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
         rec["fast_finetune_cpu"] = _finetune_figures(cpu_twin.finetune_report)
         rec["fast_finetune_cpu"]["torch_threads"] = torch.get_num_threads()
+        fp["fast_finetune_cpu"] = state_digest(cpu_twin)
         rec["fast_finetune_loop_speedup_vs_cpu"] = (rec["fast_finetune_cpu"]["loop_s"]
                                                     / max(rec["fast_finetune"]["loop_s"], 1e-9))
         del cpu_twin
@@ -245,7 +307,10 @@ def main(argv=None) -> int:
         calib, _ = zoo.model_inputs(args.model, "calib", n=args.samples)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "device_name": _device_name(args.device), "torch": torch.__version__,
-              "cpu_count": os.cpu_count(), "model": args.model, "results": []}
+              "cpu_count": os.cpu_count(), "cpu": _cpu_model(), "model": args.model,
+              "results": []}
+    if args.device.startswith("cuda"):
+        report["versions"] = library_versions()
     ok = True
     for config in args.configs:
         try:

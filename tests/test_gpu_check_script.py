@@ -66,6 +66,24 @@ def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
     losses = [rec[k]["loss_after_sum"] for k in ("fast_finetune", "fast_finetune_mem_opt_level_0",
                                                  "fast_finetune_autograd")]
     assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], rel=1e-6), losses
+    # the fingerprints: MemOptLevel 0 ends in the same model state to the bit, the stages before it are recorded
+    fp = rec["fingerprints"]
+    assert set(fp) == {"calibration_inputs", "calibrated", "after_qat", "fast_finetune",
+                       "fast_finetune_mem_opt_level_0", "fast_finetune_autograd"}, fp
+    assert fp["fast_finetune_mem_opt_level_0"] == fp["fast_finetune"] != fp["after_qat"] != fp["calibrated"], fp
+
+
+def test_state_digest_sees_one_bit(tmp_path):
+    """gpu_e2e.state_digest: the same state gives the same digest; one flipped bit in one tensor, another."""
+    import torch
+
+    gpu_e2e, _ = _gpu_e2e_and_model(tmp_path)
+    m = torch.nn.Linear(3, 2)
+    a = gpu_e2e.state_digest(m)
+    assert gpu_e2e.state_digest(m) == a
+    with torch.no_grad():
+        m.bias.view(torch.int32)[0] ^= 1
+    assert gpu_e2e.state_digest(m) != a
 
 
 def test_recorded_quark_rows_cover_the_finetune_benchmark():
