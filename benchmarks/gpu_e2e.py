@@ -48,27 +48,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _tensor_bytes(t) -> bytes:
+    """A tensor's dtype, shape and bytes (copied to the host) as one byte string."""
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    head = f"{t.dtype}|{tuple(t.shape)}|".encode()
+    return head + (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
 def state_digest(module) -> str:
-    """SHA-256 (hex, first 16 digits) of ``module``'s state dict: every tensor's name, dtype, shape and bytes (copied
-    to the host), in name order. Two runs whose digests agree hold the same bits."""
+    """SHA-256 (hex, first 16 digits) of ``module``'s state dict: every tensor's name, dtype, shape and bytes, in
+    name order. Two runs whose digests agree hold the same bits."""
     import torch
 
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
         if isinstance(t, torch.Tensor):
-            t = t.detach().to("cpu").contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(name.encode() + b"|" + _tensor_bytes(t))
     return h.hexdigest()[:16]
 
 
 def tensor_digest(t) -> str:
     """SHA-256 (hex, first 16 digits) of a tensor's dtype, shape and bytes."""
-    import torch
-
-    t = t.detach().to("cpu").contiguous()
-    return hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                          ).hexdigest()[:16]
+    return hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16]
 
 
 def library_versions() -> dict:
