@@ -43,7 +43,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 31
+_VERSION = 32
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -78,6 +78,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_gram_gradient.restype = ctypes.c_int
     lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
     lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
+    lib.qt_depthwise_forward_pads.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 12 + [ptr] * 4
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
         [ptr] * 7
@@ -95,7 +96,7 @@ def _declare(lib: ctypes.CDLL) -> None:
               lib.qt_depthwise_gram_blocked,
               lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
               lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_replay, lib.qt_adaquant_adam_outer,
-              lib.qt_act_residual_kept):
+              lib.qt_act_residual_kept, lib.qt_depthwise_forward_pads):
         f.restype = None
 
 
@@ -610,25 +611,32 @@ DIRECT_BLOCKED_MAX_WIDTH = 29
 
 def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       kernel, stride, padding, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A depthwise Conv2d (one output per input channel, dilation 1, zero ``padding = (ph, pw)``, ``stride``,
+    """A depthwise Conv2d (one output per input channel, dilation 1, zero ``padding``, ``stride``,
     ``kernel = (kh, kw)``) on the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``): the output ``[B, C, Ho, Wo]`` (float32), each plane from a zero-padded copy of its input
-    split into stride phases, accumulated along contiguous output rows (``qt_depthwise_forward``; torch's CPU
-    depthwise weight gradient is 2-10x slower, its forward up to 2x faster, both allocate). ``weight``: contiguous
-    ``[C, 1, kh, kw]``; ``bias``: ``[C]`` or None; ``out``: a contiguous float32 ``[B, C, Ho, Wo]`` to write into
-    (a buffer reused between iterations: no allocation, no page faults), or None. The taps are summed in the
-    order ``(a, b)`` with multiply-adds. Planes are split between torch's threads."""
-    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    split into stride phases, accumulated along contiguous output rows (``qt_depthwise_forward_pads``; torch's CPU
+    depthwise weight gradient is 2-10x slower, its forward up to 2x faster, both allocate). ``padding``: ``(ph, pw)``
+    on both sides (a Conv2d's), or ``(top, left, bottom, right)`` (non-negative ints: an ONNX Pad's zero padding of
+    the last two axes before the convolution, read from the unpadded planes; the same bits as this function on the
+    padded tensor with ``(0, 0)``). ``weight``: contiguous ``[C, 1, kh, kw]``; ``bias``: ``[C]`` or None; ``out``: a
+    contiguous float32 ``[B, C, Ho, Wo]`` to write into (a buffer reused between iterations: no allocation, no page
+    faults), or None. The taps are summed in the order ``(a, b)`` with multiply-adds. Planes are split between
+    torch's threads."""
+    (kh, kw), (sh, sw) = kernel, stride
+    h, w = x.shape[2], x.shape[3]
+    pt, pl, pb, pr = padding if len(padding) == 4 else (padding[0], padding[1], padding[0], padding[1])
+    hp, wpad = h + pt + pb, w + pl + pr
+    ho, wo, wq = (hp - kh) // sh + 1, (wpad - kw) // sw + 1, -(-wpad // sw)
     b, c = idx.numel(), x.shape[1]
     if out is None:
         out = torch.empty(b, c, ho, wo, dtype=torch.float32)
     planes = b * c
     pool = _pool() if planes > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], planes)
-    scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
+    scratch = torch.zeros(parts, sw * hp * wq + _VL, dtype=torch.float32)
     bias_c = None if bias is None else bias.contiguous()
-    native.split(library().qt_depthwise_forward, planes, pool,
-           lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
+    native.split(library().qt_depthwise_forward_pads, planes, pool,
+           lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, pt, pl, hp, wq, kh, kw, sh, sw, ho, wo,
                             weight.data_ptr(), _ptr(bias_c), out.data_ptr(), scratch[i].data_ptr()))
     return out
 

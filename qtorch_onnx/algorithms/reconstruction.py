@@ -180,6 +180,8 @@ class _Spill:
     def get(self, value, device: Optional[torch.device] = None):
         """``value`` as a tensor on ``device`` (default: the compute device), read back from where it lives."""
         device = self.device if device is None else device
+        if isinstance(value, _PadLater):  # the float pass's Pad, written out for a reader other than its convolution
+            value = value.materialize()
         if isinstance(value, tuple) and len(value) == 2 and value[0] == "__spilled__":
             return torch.load(value[1], map_location=device, weights_only=True)
         if isinstance(value, torch.Tensor) and value.device != device:
@@ -188,6 +190,8 @@ class _Spill:
 
 
 def _nbytes(v) -> int:
+    if isinstance(v, _PadLater):
+        v = v.x
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (tuple, list)):
@@ -231,6 +235,80 @@ KEPT_LOG_ENTRIES = 1 << 16
 #: ... and a depthwise convolution by cpu_steps' kernel from output planes of this many positions (torch's 39 -> 7 ms
 #: for [16, 96, 113, 113], 3x3 stride 2; below 28x28 torch's is as fast)
 STAGED_DEPTHWISE_MIN_PLANE = 28 * 28
+
+
+#: the float pass leaves a zero Pad before a depthwise convolution unwritten (:class:`_PadLater`) where that
+#: convolution reads it through its kernels' zero padding instead (EfficientNet-Lite0: the 78 MB ``[16, 96, 113, 113]``
+#: Pad before blocks.1's stride-2 layer, 19 k page faults of the finetune's peak memory)
+STAGED_PAD_LATER = True
+
+
+class _PadLater:
+    """The float pass's value of an ONNX Pad with zeros on the last two axes of ``x`` (a contiguous float32 CPU
+    ``[N, C, H, W]``), not written out: ``pads`` = (top, left, bottom, right) rows / columns. The depthwise Conv2d
+    that reads it (through switched-off quantizers) runs on ``x`` with these pads added to its own
+    (:func:`_staged_conv`: the same kernel and scratch, so the same bits as on the padded tensor); any other reader
+    gets the padded tensor from :meth:`materialize` (the Pad's own module on ``x``)."""
+
+    __slots__ = ("x", "pads", "module")
+
+    def __init__(self, x: torch.Tensor, pads: Tuple[int, int, int, int], module: nn.Module) -> None:
+        self.x, self.pads, self.module = x, pads, module
+
+    def materialize(self) -> torch.Tensor:
+        """The Pad's output, ``[N, C, H + top + bottom, W + left + right]`` float32 (a new tensor)."""
+        return self.module(self.x)
+
+
+def _zero_pad_hw(module: nn.Module) -> Optional[Tuple[int, int, int, int]]:
+    """``(top, left, bottom, right)`` when ``module`` is a lifted ONNX Pad (``OnnxPad18``, alone or run on its first
+    argument by ``_LeadingArgs``) in constant mode with a baked value of +0.0 that pads only the last two axes of a
+    4-D input, by non-negative amounts; else None. Modules with hooks: None (hooks see the module run)."""
+    from ..lift.control_flow import _LeadingArgs
+    from ..lift.converters import OnnxPad18
+
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    if type(module) is _LeadingArgs:
+        if module.n != 1:
+            return None
+        module = module.inner
+    if type(module) is not OnnxPad18 or module.mode != "constant" or module.baked is None:
+        return None
+    pads, value, axes = module.baked
+    if value != 0.0 or math.copysign(1.0, value) < 0:  # (-0.0 pads with a sign bit the kernels' zeros lack)
+        return None
+    try:
+        flat = module._plan(4, list(pads), axes)[3]  # [left, right, top, bottom, then the channel and batch axes]
+    except (IndexError, TypeError, ValueError):
+        return None
+    if len(flat) != 8 or any(flat[4:]) or min(flat[:4]) < 0:
+        return None
+    return flat[2], flat[0], flat[3], flat[1]
+
+
+def _depthwise_padding(module: nn.Module, shape: Sequence[int], pads: Optional[Sequence[int]] = None
+                       ) -> Optional[Tuple[int, int, int, int]]:
+    """The zero padding ``(top, left, bottom, right)`` with which :func:`_staged_conv` runs the Conv2d ``module``
+    by cpu_steps' depthwise kernel on a float32 CPU input of ``shape`` ``[N, C, H, W]`` (its own padding plus
+    ``pads`` of a Pad before it, :class:`_PadLater`), or None where that route does not apply (not a depthwise
+    Conv2d with its own forward, dilation 1 and zero padding, an output plane under STAGED_DEPTHWISE_MIN_PLANE,
+    fewer than two samples, no C library)."""
+    if type(module).forward is not nn.Conv2d.forward or len(shape) != 4 or shape[0] < 2 \
+            or module.padding_mode != "zeros" or isinstance(module.padding, str) or tuple(module.dilation) != (1, 1):
+        return None
+    n, c, h, w = shape
+    if not (module.groups == c == module.out_channels):
+        return None
+    (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
+    pt, pl, pb, pr = (0, 0, 0, 0) if pads is None else pads
+    pt, pl, pb, pr = pt + ph, pl + pw, pb + ph, pr + pw
+    hp, wp = h + pt + pb, w + pl + pr
+    if hp < kh or wp < kw or ((hp - kh) // sh + 1) * ((wp - kw) // sw + 1) < STAGED_DEPTHWISE_MIN_PLANE:
+        return None
+    if not cpu_steps.available():
+        return None
+    return pt, pl, pb, pr
 
 
 def _pointwise_forward(x: torch.Tensor, rows, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -281,35 +359,34 @@ def _elementwise_into(module: nn.Module, x: Any) -> Optional[torch.Tensor]:
 
 
 @torch.no_grad()
-def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def _staged_conv(module: nn.Module, x: Any, out: Optional[torch.Tensor] = None,
+                 pads: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
     """The output of ``module`` (a Conv2d with its own forward) on ``x`` (a float32 CPU batch, contiguous) for the
     staged forward passes by a faster route where one applies (a 1x1 convolution on a large plane: one oneDNN product
     per sample; a depthwise one: cpu_steps' kernel), else None (the module runs). The same convolution to float
     rounding, not to the bit: the staged values are the algorithms' data, not what is exported. ``out``: memory the
     caller gives up (contiguous float32 ``[N, O, H * W]``), written by the 1x1 route when its shape fits (the same
-    bits as into a new tensor), else left alone."""
+    bits as into a new tensor), else left alone. ``pads``: ``x`` is the input of a zero Pad before ``module``
+    (:class:`_PadLater`, ``(top, left, bottom, right)``): the depthwise route only, reading the padding through its
+    kernel (the same bits as on the padded tensor); None where that route does not apply."""
     if type(module).forward is not nn.Conv2d.forward or not isinstance(x, torch.Tensor) or x.dim() != 4 \
             or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[0] < 2 \
             or module.padding_mode != "zeros" or isinstance(module.padding, str) or tuple(module.dilation) != (1, 1):
         return None
     n, c, h, w = x.shape
-    if _is_1x1(module) and h * w >= STAGED_POINTWISE_MIN_PLANE:
+    if pads is None and _is_1x1(module) and h * w >= STAGED_POINTWISE_MIN_PLANE:
         bias = module.bias
         fits = (out is not None and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
                 and tuple(out.shape) == (n, module.out_channels, h * w))
         return _pointwise_forward(x, range(n), module.weight.to(torch.float32),
                                   None if bias is None else bias.to(torch.float32), out=out if fits else None)
-    if module.groups == c == module.out_channels:
-        (kh, kw), (sh, sw), (ph, pw) = module.kernel_size, module.stride, module.padding
-        if ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1) < STAGED_DEPTHWISE_MIN_PLANE:
-            return None
-        if not cpu_steps.available():
-            return None
-        bias = module.bias
-        return cpu_steps.depthwise_forward(x, torch.arange(n), module.weight.to(torch.float32).contiguous(),
-                                           None if bias is None else bias.to(torch.float32), module.kernel_size,
-                                           module.stride, module.padding)
-    return None
+    padding = _depthwise_padding(module, x.shape, pads)
+    if padding is None:
+        return None
+    bias = module.bias
+    return cpu_steps.depthwise_forward(x, torch.arange(n), module.weight.to(torch.float32).contiguous(),
+                                       None if bias is None else bias.to(torch.float32), module.kernel_size,
+                                       module.stride, padding)
 
 
 def _step_cap(entries: int) -> int:
@@ -455,17 +532,33 @@ class StagedExecutor:
         return self.chunk_dev[chunk] if self.const[name] else chunk
 
     def _run(self, interps: List[fx.Interpreter], env: Dict[str, List[Any]], node: fx.Node, chunk: int,
-             inplace: bool = False, out: Optional[torch.Tensor] = None):
+             inplace: bool = False, out: Optional[torch.Tensor] = None, float_pass: bool = False):
         """``node`` for chunk ``chunk`` (a constant: for that chunk's device) on the graph module of the chunk's
         device. ``node`` is the given graph's node: a replica's interpreter runs it by its target, on the inputs
         put in its env under the same nodes. ``inplace``: ``node`` may overwrite its one input
         (:meth:`_may_overwrite_input`) where :func:`_elementwise_into` computes it. ``out``: memory the caller
-        gives up, for :func:`_staged_conv`."""
+        gives up, for :func:`_staged_conv`. ``float_pass``: the float pass's node, which may leave a zero Pad
+        before a depthwise convolution unwritten (:meth:`_pad_later`)."""
         j = self.chunk_dev[chunk]
         if node.op == "placeholder":
             return self.chunks[chunk][self._placeholder_index[node.name]]
         interp = interps[j]
         dev = self.devices[j]
+        if float_pass and node.op == "call_module" and node.args and isinstance(node.args[0], fx.Node) \
+                and not self.const.get(node.args[0].name, True):
+            raw = env[node.args[0].name][self._slot(node.args[0].name, chunk)]
+            if isinstance(raw, _PadLater):
+                module = interp.module.get_submodule(str(node.target))
+                if len(node.args) == 1 and not node.kwargs:
+                    if self._float_identity(module):  # a switched-off quantizer hands its input on
+                        return raw
+                    y = _staged_conv(module, raw.x, pads=raw.pads)
+                    if y is not None:
+                        return y
+            elif STAGED_PAD_LATER and self.fast_convs:
+                later = self._pad_later(node, interp, raw)
+                if later is not None:
+                    return later
         interp.env = {a: self.spill.get(env[a.name][self._slot(a.name, chunk)], dev) for a in node.all_input_nodes}
         if inplace:
             out = _elementwise_into(interp.module.get_submodule(str(node.target)), interp.env[node.args[0]])
@@ -495,8 +588,44 @@ class StagedExecutor:
                     return
                 fnode = self.f_by_name[node.name]
                 with self._float_pass():
-                    self._store(self.f_env, node.name, [self._run(self._f_interps, self.f_env, fnode, c)
-                                                        for c in runs])
+                    self._store(self.f_env, node.name, [self._run(self._f_interps, self.f_env, fnode, c,
+                                                                  float_pass=True) for c in runs])
+
+    def _float_identity(self, module: nn.Module) -> bool:
+        """Whether ``module`` returns its input itself in the float pass: a FakeQuantize without hooks while the
+        float pass runs the quantized graph with quantization off (:func:`quantization_off`)."""
+        from ..fakequant import FakeQuantize
+
+        return (self._float_pass is quantization_off and isinstance(module, FakeQuantize)
+                and not module._forward_hooks and not module._forward_pre_hooks)
+
+    def _pad_later(self, node: fx.Node, interp: fx.Interpreter, x: Any) -> Optional[_PadLater]:
+        """The float pass's value of ``node`` left unwritten (:class:`_PadLater`) when ``node`` is a zero Pad of the
+        last two axes (:func:`_zero_pad_hw`) of a contiguous float32 CPU batch ``x`` whose one reader, through
+        switched-off quantizers (each read by one node), is a Conv2d that :func:`_staged_conv` runs by the depthwise
+        kernel with those pads; else None. Cached activations in host memory only (MemOptLevel 0 or 1)."""
+        if self.device.type != "cpu" or self.spill.level > 1 or not isinstance(x, torch.Tensor) \
+                or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or not x.is_contiguous():
+            return None
+        module = interp.module.get_submodule(str(node.target))
+        pads = _zero_pad_hw(module)
+        if pads is None:
+            return None
+        shape = (x.shape[0], x.shape[1], x.shape[2], x.shape[3])
+        at = node
+        for _ in range(4):  # the Pad's reader, past at most a few switched-off quantizers
+            users = list(at.users)
+            if len(users) != 1:
+                return None
+            nxt = users[0]
+            if nxt.op != "call_module" or nxt.args != (at,) or nxt.kwargs:
+                return None
+            reader = interp.module.get_submodule(str(nxt.target))
+            if self._float_identity(reader):
+                at = nxt
+                continue
+            return _PadLater(x, pads, module) if _depthwise_padding(reader, shape, pads) is not None else None
+        return None
 
     def _may_overwrite_input(self, node: fx.Node) -> bool:
         """Whether the quantized pass may compute ``node`` into its input's memory: one positional input, read for
@@ -521,7 +650,7 @@ class StagedExecutor:
             return False
         ptrs = {v.untyped_storage().data_ptr() for v in mine}
         others = itertools.chain((v for k, vals in self.q_env.items() if k != a.name for v in vals),
-                                 (v for vals in self.f_env.values() for v in vals),
+                                 (v.x if isinstance(v, _PadLater) else v for vals in self.f_env.values() for v in vals),
                                  (v for vals in self._given.values() for v in vals),
                                  (t for ch in self.chunks for t in ch))
         return not any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in ptrs for v in others)

@@ -1082,3 +1082,25 @@ def test_adaquant_adam_finds_the_kept_diff_in_its_pass(axis):
     with pytest.raises(ValueError, match="diff needs next_range"):
         cpu_steps.adaquant_adam(layout, w.clone(), gwq, torch.zeros_like(w), o_ref.fused_moments(p_ref),
                                 diff=cpu_steps.KeptDiff(w0_ref, at_ref, d_ref, 0, 4))
+
+
+@pytest.mark.parametrize("kernel,stride", [((3, 3), (2, 2)), ((5, 5), (1, 1)), ((3, 5), (2, 1))])
+@pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 1, 1, 1), (0, 2, 1, 0), (2, 0, 0, 3)])
+def test_depthwise_forward_reads_asymmetric_padding(kernel, stride, pads):
+    """depthwise_forward with (top, left, bottom, right) pads on the unpadded planes: the bits of depthwise_forward
+    on the zero-padded tensor (what an ONNX Pad before the convolution writes out), and torch's convolution to
+    float rounding."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(sum(pads) + kernel[1] + stride[1])
+    x = torch.randn(3, 5, 17, 19, generator=g)
+    w = torch.randn(5, 1, *kernel, generator=g)
+    bias = torch.randn(5, generator=g)
+    idx = torch.tensor([2, 0], dtype=torch.int64)
+    t, l, b, r = pads
+    padded = F.pad(x, (l, r, t, b)).contiguous()
+    want = cpu_steps.depthwise_forward(padded, idx, w, bias, kernel, stride, (0, 0))
+    got = cpu_steps.depthwise_forward(x, idx, w, bias, kernel, stride, pads)
+    assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    ref = F.conv2d(padded[idx], w, bias, stride, 0, 1, 5)
+    assert (got - ref).abs().max() < 1e-4

@@ -1936,3 +1936,93 @@ def test_adam_pass_kept_diff_gives_the_same_training(monkeypatch):
     without = run()
     assert with_pass[0] == without[0]
     assert all(torch.equal(a, b) for a, b in zip(with_pass[1], without[1]))
+
+
+def _pad_depthwise_model() -> onnx.ModelProto:
+    """input [N, 4, 56, 56] -> Conv 1x1 (8) -> Clip(0, 6) -> Pad (one zero row below, one column right: the
+    TensorFlow 'SAME' padding of a stride-2 layer) -> depthwise Conv 3x3 stride 2 (28 x 28) -> Relu ->
+    GlobalAveragePool -> Flatten -> Gemm(10)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+
+    def init(name, arr, dtype=np.float32):
+        return numpy_helper.from_array(np.asarray(arr, dtype=dtype), name)
+
+    inits = [init("w1", rng.normal(0, 0.4, (8, 4, 1, 1))), init("b1", rng.normal(0, 0.1, 8)),
+             init("lo", 0.0), init("hi", 6.0), init("pads", [0, 0, 0, 0, 0, 0, 1, 1], np.int64),
+             init("w2", rng.normal(0, 0.3, (8, 1, 3, 3))), init("b2", rng.normal(0, 0.1, 8)),
+             init("fc_w", rng.normal(0, 0.2, (10, 8))), init("fc_b", rng.normal(0, 0.1, 10))]
+    nodes = [helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="expand"),
+             helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="clip"),
+             helper.make_node("Pad", ["r1", "pads"], ["p1"], name="pad"),
+             helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], name="depthwise", group=8, kernel_shape=[3, 3],
+                              strides=[2, 2]),
+             helper.make_node("Relu", ["c2"], ["r2"], name="relu"),
+             helper.make_node("GlobalAveragePool", ["r2"], ["g"], name="gap"),
+             helper.make_node("Flatten", ["g"], ["f"], name="flatten", axis=1),
+             helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1)]
+    graph = helper.make_graph(nodes, "pad_depthwise",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 4, 56, 56])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+@pytest.mark.parametrize("algorithm", ["adaquant", "adaround"])
+def test_float_pass_reads_a_zero_pad_through_the_depthwise_kernel(monkeypatch, algorithm):
+    """The staged float pass leaves a zero Pad before a depthwise convolution unwritten and runs the convolution on
+    the Pad's input with the pads in its kernel (reconstruction._PadLater): the same exported bytes and layer losses
+    as with the Pad written out, and the route is taken (the pads of the Pad, bottom and right)."""
+    import importlib
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    rng = np.random.default_rng(4)
+    data = [{"input": rng.normal(0, 1, (1, 4, 56, 56)).astype(np.float32)} for _ in range(8)]
+    used = []
+    orig = rc._staged_conv
+
+    def spy(module, x, out=None, pads=None):
+        y = orig(module, x, out, pads)
+        if pads is not None and y is not None:
+            used.append(tuple(pads))
+        return y
+
+    monkeypatch.setattr(rc, "_staged_conv", spy)
+    results = {}
+    for later in (True, False):
+        monkeypatch.setattr(rc, "STAGED_PAD_LATER", later)
+        qm = _prepared("A8W8", _pad_depthwise_model(), data)
+        fast_finetune(qm, data, algorithm=algorithm, num_iterations=6, batch_size=2, progress=False)
+        results[later] = (qo.export(qm, None).SerializeToString(),
+                          [(r.name, r.loss_before, r.loss_after) for r in qm.finetune_report.layers])
+        if later:
+            assert used and set(used) == {(0, 0, 1, 1)}, used
+            used.clear()
+    assert not used
+    assert results[True] == results[False]
+
+
+def test_zero_pad_hw_takes_only_zero_padding_of_the_plane():
+    """reconstruction._zero_pad_hw: (top, left, bottom, right) of a constant +0.0 Pad of the last two axes; None for
+    another mode or value (-0.0 included), padding of the channel axis, cropping, or pads not baked in."""
+    import importlib
+
+    from qtorch_onnx.lift.converters import OnnxPad18
+
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    assert rc._zero_pad_hw(OnnxPad18("constant", ([0, 0, 1, 2, 0, 0, 3, 4], 0.0, None))) == (1, 2, 3, 4)
+    assert rc._zero_pad_hw(OnnxPad18("constant", ([1, 2, 3, 4], 0.0, [2, 3]))) == (1, 2, 3, 4)
+    x = torch.randn(2, 3, 5, 6)
+    t, l, b, r = rc._zero_pad_hw(OnnxPad18("constant", ([0, 0, 1, 2, 0, 0, 3, 4], 0.0, None)))
+    assert torch.equal(OnnxPad18("constant", ([0, 0, 1, 2, 0, 0, 3, 4], 0.0, None))(x),
+                       torch.nn.functional.pad(x, (l, r, t, b)))
+    for m in (OnnxPad18("reflect", ([0, 0, 1, 1, 0, 0, 1, 1], 0.0, None)),
+              OnnxPad18("constant", ([0, 0, 1, 1, 0, 0, 1, 1], 1.0, None)),
+              OnnxPad18("constant", ([0, 0, 1, 1, 0, 0, 1, 1], -0.0, None)),
+              OnnxPad18("constant", ([0, 1, 1, 1, 0, 0, 1, 1], 0.0, None)),
+              OnnxPad18("constant", ([0, 0, -1, 1, 0, 0, 1, 1], 0.0, None)),
+              OnnxPad18("constant")):
+        assert rc._zero_pad_hw(m) is None, (m.mode, m.baked)
