@@ -82,7 +82,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's qtorch_onnx, not another installed copy
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's shared helpers
-from auto_mp_vs_quark import Reader  # noqa: E402  (a CalibrationDataReader over samples, as a user gives it)
+from auto_mp_vs_quark import Reader, _machine  # noqa: E402  (a CalibrationDataReader over samples; the machine)
 WORKER = Path(__file__).resolve().parent / "_quark_ft_worker.py"
 TARGET_OPS = ["Conv", "ConvTranspose", "Gemm", "MatMul"]
 SEED = 1705472343
@@ -91,19 +91,6 @@ LR = {"adaround": 0.1, "adaquant": 1e-5}  # Quark 0.13's defaults (DEFAULT_ADARO
 
 def _log(msg: str) -> None:
     print(f"[ft_vs_quark {time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.2f})", flush=True)
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.machine()}"
 
 
 def ft_dict(algorithm: str, iterations: int, data_size: int, batch_size: int) -> Dict[str, Any]:

@@ -26,6 +26,10 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's shared helpers
+from auto_mp_vs_quark import _machine  # noqa: E402  (the CPU model, logical cores, OS)
 
 
 def _device_name(device: str) -> str:
@@ -33,18 +37,6 @@ def _device_name(device: str) -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
-
-
-def _cpu_model() -> str:
-    """The host CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 
@@ -310,7 +302,7 @@ def main(argv=None) -> int:
         calib, _ = zoo.model_inputs(args.model, "calib", n=args.samples)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": args.device, "device_name": _device_name(args.device), "torch": torch.__version__,
-              "cpu_count": os.cpu_count(), "cpu": _cpu_model(), "model": args.model,
+              "cpu_count": os.cpu_count(), "cpu": _machine(), "model": args.model,
               "results": []}
     if args.device.startswith("cuda"):
         report["versions"] = library_versions()

@@ -1694,15 +1694,14 @@ static void tap_offsets(int64_t kh, int64_t kw, int64_t sw, int64_t hp, int64_t 
 /* A depthwise Conv2d (one output per input channel, dilation 1, zero padding ph / pw, stride sh / sw, kernel kh x kw)
  * on the rows idx[b] of x ([N, c, h, w]): planes p = b c + ch in [p0, p1) of out ([B, c, ho, wo]). weight: [c, kh kw];
  * bias: [c] or NULL. scratch: sw hp wq + VL floats, hp = h + 2 ph, wq = ceil((w + 2 pw) / sw), the last VL zero. */
-/* qt_depthwise_forward with the zero padding given side by side: pt rows above and pl columns left of each plane,
- * the padded plane hp rows high and wq phase columns wide (hp = h + pt + pb, wq = ceil((w + pl + pr) / sw) for pb
- * rows below and pr columns right): an ONNX Pad's asymmetric padding read straight from the unpadded planes, the same
- * scratch (so the same bits) as qt_depthwise_forward on the planes padded beforehand */
+/* qt_depthwise_forward with the zero padding given side by side: pt rows above, pl columns left, pb rows below and
+ * pr columns right of each plane (an ONNX Pad's asymmetric padding read straight from the unpadded planes): the same
+ * scratch, so the same bits, as qt_depthwise_forward on the planes padded beforehand */
 void qt_depthwise_forward_pads(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h,
-                               int64_t w, int64_t pt, int64_t pl, int64_t hp, int64_t wq, int64_t kh, int64_t kw,
+                               int64_t w, int64_t pt, int64_t pl, int64_t pb, int64_t pr, int64_t kh, int64_t kw,
                                int64_t sh, int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
                                float *out, float *scratch) {
-    int64_t k = kh * kw;
+    int64_t hp = h + pt + pb, wq = (w + pl + pr + sw - 1) / sw, k = kh * kw;
     int64_t off[k];
     tap_offsets(kh, kw, sw, hp, wq, off);
     for (int64_t p = p0; p < p1; p++) {
@@ -1715,8 +1714,8 @@ void qt_depthwise_forward_pads(int64_t p0, int64_t p1, int64_t c, const int64_t 
 void qt_depthwise_forward(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h, int64_t w,
                           int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                           int64_t wo, const float *weight, const float *bias, float *out, float *scratch) {
-    qt_depthwise_forward_pads(p0, p1, c, idx, x, h, w, ph, pw, h + 2 * ph, (w + 2 * pw + sw - 1) / sw, kh, kw, sh, sw,
-                              ho, wo, weight, bias, out, scratch);
+    qt_depthwise_forward_pads(p0, p1, c, idx, x, h, w, ph, pw, ph, pw, kh, kw, sh, sw, ho, wo, weight, bias, out,
+                              scratch);
 }
 
 /* Its weight gradient for the output gradient g ([nb, c, ho, wo]): gw[ch] (kh kw floats) for channels ch in [c0, c1),

@@ -594,11 +594,21 @@ def act_sse(pre: torch.Tensor, target: torch.Tensor, idx: torch.Tensor, lo: floa
     return sse
 
 
+def _four_pads(padding) -> Tuple[int, int, int, int]:
+    """``(top, left, bottom, right)`` of a depthwise kernel's zero padding given as ``(ph, pw)`` (both sides) or as
+    the four."""
+    return tuple(padding) if len(padding) == 4 else (padding[0], padding[1], padding[0], padding[1])
+
+
 def _depthwise_geometry(x: torch.Tensor, kernel, stride, padding):
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    """``(h, w, top, left, kh, kw, sh, sw, ho, wo, scratch_len)`` of a depthwise kernel on ``x`` ``[N, C, H, W]``
+    with zero ``padding`` (:func:`_four_pads`'s forms; ``top, left`` are ``ph, pw`` for ``(ph, pw)``), the scratch
+    holding one plane split into ``sw`` column phases plus ``_VL`` zeroed floats."""
+    (kh, kw), (sh, sw) = kernel, stride
+    pt, pl, pb, pr = _four_pads(padding)
     h, w = x.shape[2], x.shape[3]
-    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
-    return h, w, ph, pw, kh, kw, sh, sw, ho, wo, sw * (h + 2 * ph) * ((w + 2 * pw + sw - 1) // sw) + _VL
+    hp, wp = h + pt + pb, w + pl + pr
+    return h, w, pt, pl, kh, kw, sh, sw, (hp - kh) // sh + 1, (wp - kw) // sw + 1, sw * hp * -(-wp // sw) + _VL
 
 
 #: the C kernels' register block (output columns): the scratch's zeroed slack past a padded plane
@@ -622,21 +632,18 @@ def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, 
     contiguous float32 ``[B, C, Ho, Wo]`` to write into (a buffer reused between iterations: no allocation, no page
     faults), or None. The taps are summed in the order ``(a, b)`` with multiply-adds. Planes are split between
     torch's threads."""
-    (kh, kw), (sh, sw) = kernel, stride
-    h, w = x.shape[2], x.shape[3]
-    pt, pl, pb, pr = padding if len(padding) == 4 else (padding[0], padding[1], padding[0], padding[1])
-    hp, wpad = h + pt + pb, w + pl + pr
-    ho, wo, wq = (hp - kh) // sh + 1, (wpad - kw) // sw + 1, -(-wpad // sw)
+    h, w, pt, pl, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    pb, pr = _four_pads(padding)[2:]
     b, c = idx.numel(), x.shape[1]
     if out is None:
         out = torch.empty(b, c, ho, wo, dtype=torch.float32)
     planes = b * c
     pool = _pool() if planes > 1 and b * c * ho * wo * kh * kw >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], planes)
-    scratch = torch.zeros(parts, sw * hp * wq + _VL, dtype=torch.float32)
+    scratch = torch.zeros(parts, scratch_len, dtype=torch.float32)
     bias_c = None if bias is None else bias.contiguous()
     native.split(library().qt_depthwise_forward_pads, planes, pool,
-           lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, pt, pl, hp, wq, kh, kw, sh, sw, ho, wo,
+           lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, pt, pl, pb, pr, kh, kw, sh, sw, ho, wo,
                             weight.data_ptr(), _ptr(bias_c), out.data_ptr(), scratch[i].data_ptr()))
     return out
 
