@@ -102,6 +102,40 @@ def _outputs(ort, path: str, samples, lib: str, threads: int) -> List[np.ndarray
     return [sess.run(None, s)[0] for s in samples]
 
 
+def limit_ort_threads(ort: Any, threads: int):
+    """Make every ONNX Runtime session this process creates from now on (Quark's own, inside its fast finetune,
+    which build their ``SessionOptions`` with ONNX Runtime's default of one intra-op thread per core) run on at most
+    ``threads`` intra-op and inter-op threads: ``InferenceSession.__init__`` wrapped so that options left at the
+    default (0) get ``threads``, and a session given no options gets options with ``threads``. Options the caller
+    set to a positive count keep it. Returns a function that undoes the wrapping.
+
+    Quark's code is not changed or copied: its sessions are ONNX Runtime's class, whose constructor is wrapped.
+
+    Raises:
+        ValueError: ``threads`` below 1.
+    """
+    if threads < 1:
+        raise ValueError(f"limit_ort_threads: threads must be >= 1, got {threads}")
+    cls = ort.InferenceSession
+    orig = cls.__init__
+
+    def init(self, path_or_bytes, sess_options=None, *a, **k):
+        if sess_options is None:
+            sess_options = ort.SessionOptions()
+        if sess_options.intra_op_num_threads <= 0:
+            sess_options.intra_op_num_threads = threads
+        if sess_options.inter_op_num_threads <= 0:
+            sess_options.inter_op_num_threads = threads
+        return orig(self, path_or_bytes, sess_options, *a, **k)
+
+    cls.__init__ = init
+
+    def undo() -> None:
+        cls.__init__ = orig
+
+    return undo
+
+
 def main(job_path: str) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
@@ -111,6 +145,9 @@ def main(job_path: str) -> int:
         torch.set_num_threads(int(job["torch_threads"]))
     import onnx
     import onnxruntime as ort
+
+    if int(job.get("quark_ort_threads") or 0) > 0:  # Quark's own sessions on that many threads (else its defaults)
+        limit_ort_threads(ort, int(job["quark_ort_threads"]))
     import quark
     import quark.onnx  # noqa: F401  (builds / loads Quark's operator library before any timing)
     from quark.onnx import ModelQuantizer
@@ -170,6 +207,7 @@ def main(job_path: str) -> int:
               f"{rec['finetuned_layers']} layers) ok={rec['ok']}", file=sys.stderr, flush=True)
     res = {"results": results, "versions": {"quark": getattr(quark, "__version__", "?"), "torch": torch.__version__,
                                             "torch_threads": torch.get_num_threads(),
+                                            "quark_ort_threads": int(job.get("quark_ort_threads") or 0) or "default",
                                             "onnxruntime": ort.__version__, "onnx": onnx.__version__}}
     tmp = job["result"] + ".tmp"
     with open(tmp, "w") as fh:

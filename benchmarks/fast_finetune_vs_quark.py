@@ -476,7 +476,13 @@ def main(argv=None) -> int:
                     help="FixedSeeds for the AdaQuant rows with the most iterations (both sides; default 1): at 16 "
                          "calibration images the seed moves the output error by several thousandths, more than the "
                          "two tools differ")
+    ap.add_argument("--quark-ort-threads", type=int, default=0,
+                    help="intra-/inter-op threads of the ONNX Runtime sessions Quark creates inside its fast finetune "
+                         "(default 0: ONNX Runtime's defaults, one intra-op thread per core; 1: Quark on one thread "
+                         "like ours, its CPU seconds then its wall seconds)")
     args = ap.parse_args(argv)
+    if args.quark_ort_threads < 0:
+        ap.error(f"--quark-ort-threads must be >= 0 (0: ONNX Runtime's defaults), got {args.quark_ort_threads}")
     out = Path(args.out).resolve()  # the worker runs in a temporary folder
     out.mkdir(parents=True, exist_ok=True)
     recorded = RecordedQuark(Path(args.quark_results)) if args.quark_results else None
@@ -502,6 +508,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "qtorch_onnx": getattr(qtorch_onnx, "__version__", "?"), "torch_threads": torch.get_num_threads()},
+        "quark_ort_threads": args.quark_ort_threads or "default",
         "loadavg_start": os.getloadavg(), "quick": args.quick, "batch_size": args.batch_size,
         "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {},
         "ours_device": args.ours_device,
@@ -585,7 +592,8 @@ def main(argv=None) -> int:
         if spec["setting"] == "A8W4":
             qrun.update(weight_type="QInt4", per_channel=True)
         job = {"model": d["path"], "input_names": d["names"], "calib": str(d["work"] / "calib.npz"),
-               "eval": str(d["work"] / "eval.npz"), "runs": [qrun], "torch_threads": args.torch_threads}
+               "eval": str(d["work"] / "eval.npz"), "runs": [qrun], "torch_threads": args.torch_threads,
+               "quark_ort_threads": args.quark_ort_threads}
         # Quark's runs and ours alternated (Quark, ours, Quark, ours, ...; the side with more repeats finishes alone):
         # a slow spell of the shared machine, which lasts longer than one run, then falls on both sides alike
         # instead of on whichever side happened to run in it; each side's run of median finetune time is reported
@@ -765,7 +773,10 @@ def _f(v, fmt="{:.4f}") -> str:
 
 
 def section(results: dict) -> str:
+    ort_threads = results.get("quark_ort_threads", "default")
     lines = [f"Machine: {results['machine']}; torch threads {results['versions']['torch_threads']} (both sides); "
+             f"ONNX Runtime threads inside Quark's finetune: "
+             f"{'its defaults (one per core)' if ort_threads == 'default' else ort_threads}; "
              f"Quark {results.get('quark_versions', {}).get('quark', '?')} (torch "
              f"{results.get('quark_versions', {}).get('torch', '?')}, onnxruntime "
              f"{results.get('quark_versions', {}).get('onnxruntime', '?')}); ours torch {results['versions']['torch']}; "
