@@ -1406,9 +1406,14 @@ static inline void store_n(float *p, vf v, int64_t n) {
 }
 #endif
 
+/* DW_BIAS_LAST: every depthwise forward (these, the AVX2 forms and the channel-blocked ones) sums its taps from +0, a
+ * multiply-add per tap in tap order, and adds the bias last, as B = 0 + bias (+0 for a -0 bias): out = S + B. So an
+ * output kept without its bias (computed with bias 0: S + 0) and given its bias later, (S + 0) + B, is the fresh
+ * output's float (B is never -0, so the sign of a zero S does not matter): AdaQuant's kept depthwise outputs
+ * (qt_depthwise_direct's `kept`) are the same bits as a fresh forward. */
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dw_forward8_* below) */
-/* one plane's output: out[y][x] = bias + sum_i w[i] xpad[sh y + a_i][sw x + b_i], the taps i = a kw + b accumulated in
- * order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
+/* one plane's output: out[y][x] = sum_i w[i] xpad[sh y + a_i][sw x + b_i] + bias (DW_BIAS_LAST), the taps i = a kw + b
+ * accumulated in order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
  * the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left to itself GCC
  * vectorizes across the taps with gathers. With 9 taps their broadcast weights and offsets sit in registers for the
  * plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side (independent
@@ -1418,6 +1423,7 @@ static inline void store_n(float *p, vf v, int64_t n) {
  * stayed in memory) */
 static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
                           int64_t wo, const float *restrict w, float bias, float *restrict out) {
+    const float bn = 0.0f + bias; /* (+0 for a -0 bias: DW_BIAS_LAST) */
     vf wv[9];
     int64_t o[9];
     for (int i = 0; i < 9; i++) {
@@ -1426,34 +1432,35 @@ static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *r
     }
     for (int64_t y = 0; y < ho; y++)
         for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            vf acc = (vf){0} + bias;
+            vf acc = (vf){0};
             const float *row = pp + sh * y * wq + x0;
             for (int i = 0; i < 9; i++)
                 acc += wv[i] * loadu(row + o[i]);
-            store_n(out + y * wo + x0, acc, wo - x0 < VL ? wo - x0 : VL);
+            store_n(out + y * wo + x0, acc + bn, wo - x0 < VL ? wo - x0 : VL);
         }
 }
 
 /* ... any k: the weights and offsets read as they are needed */
 static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
                            int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {
+    const float bn = 0.0f + bias;
     for (int64_t y = 0; y < ho; y++) {
         const float *row = pp + sh * y * wq;
         int64_t x0 = 0;
         for (; x0 + VL < wo; x0 += 2 * VL) {
-            vf acc = (vf){0} + bias, acc2 = acc;
+            vf acc = (vf){0}, acc2 = acc;
             for (int64_t i = 0; i < k; i++) {
                 acc += w[i] * loadu(row + x0 + off[i]);
                 acc2 += w[i] * loadu(row + x0 + VL + off[i]);
             }
-            store_n(out + y * wo + x0, acc, VL);
-            store_n(out + y * wo + x0 + VL, acc2, wo - x0 - VL < VL ? wo - x0 - VL : VL);
+            store_n(out + y * wo + x0, acc + bn, VL);
+            store_n(out + y * wo + x0 + VL, acc2 + bn, wo - x0 - VL < VL ? wo - x0 - VL : VL);
         }
         if (x0 < wo) {
-            vf acc = (vf){0} + bias;
+            vf acc = (vf){0};
             for (int64_t i = 0; i < k; i++)
                 acc += w[i] * loadu(row + x0 + off[i]);
-            store_n(out + y * wo + x0, acc, wo - x0);
+            store_n(out + y * wo + x0, acc + bn, wo - x0);
         }
     }
 }
@@ -1592,23 +1599,25 @@ static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The forward on AVX2: blocks of eight output columns (one 256-bit vector), four blocks side by side in the plane's
  * block order (y, x0), rows mixed, so that even a 7- or 14-wide plane keeps four independent chains of multiply-adds;
- * each block's lanes get dw_forward_k9's / dw_forward_any's operations in their order (the bias plus 0, then a
- * multiply-add per tap with the weight as those take it: plus 0 for 9 taps, as it is otherwise), so the same floats.
+ * each block's lanes get dw_forward_k9's / dw_forward_any's operations in their order (from +0 a multiply-add
+ * per tap with the weight as those take it: plus 0 for 9 taps, as it is otherwise; then the bias plus 0), so the same
+ * floats.
  * The sixteen-lane forms spilled on AVX2: their accumulators and weights went through the stack in 8-byte pieces
  * every tap (0.9 GMAC/s on 5x5 kernels). A block reads up to 7 columns past the row's last output, as the
  * sixteen-lane form reads up to 15; those lanes are not stored. */
 #define DW_FWD8_BLOCK(j)                                                                                               \
     const float *in##j = pp + sh * (bq##j / nbx) * wq + 8 * (bq##j % nbx);                                           \
-    vf8 a##j = bv
+    vf8 a##j = (vf8){0}
 #define DW_FWD8_STORE(j)                                                                                               \
     do {                                                                                                               \
         int64_t y_ = bq##j / nbx, x_ = 8 * (bq##j % nbx), n_ = wo - x_ < 8 ? wo - x_ : 8;                              \
         float *o_ = out + y_ * wo + x_;                                                                                \
+        const vf8 s_ = a##j + bv;                                                                                      \
         if (n_ == 8)                                                                                                   \
-            __builtin_memcpy(o_, &a##j, sizeof a##j);                                                                  \
+            __builtin_memcpy(o_, &s_, sizeof s_);                                                                      \
         else                                                                                                           \
             for (int64_t t_ = 0; t_ < n_; t_++)                                                                        \
-                o_[t_] = a##j[t_];                                                                                     \
+                o_[t_] = s_[t_];                                                                                       \
     } while (0)
 #define DW_FORWARD8(NAME, KK, WEIGHT)                                                                                  \
     static void NAME(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,      \
@@ -1761,12 +1770,34 @@ void qt_depthwise_phase_prepare(int64_t p0, int64_t p1, const float *x, int64_t 
  * (float64). gb NULL: not computed; gw NULL: neither gradient, the loss alone (no weight-gradient pass). scratch
  * and tot as qt_depthwise_wgrad's. phases: every plane of x already split into its phases, [N][c][sw hp wq + VL]
  * (phase_plane's layout, its last VL floats zero; qt_depthwise_phase_prepare), read instead of phase_plane per call
- * (the same values: the same bits), or NULL. */
+ * (the same values: the same bits), or NULL.
+ * kept (AdaQuant's kept outputs, or NULL): every sample's planes of the output without the bias, [N][c][ho wo]
+ * (DW_BIAS_LAST), for the weights kwts ([N][c][kh kw]) they were computed with where valid ([N][c]) is 1: a plane
+ * whose channel's weight has other bits, or that is not valid, is computed again (and kwts, valid updated); the
+ * output is then the kept plane plus the bias instead of a forward: the same floats (DW_BIAS_LAST). */
+/* whether sample n's kept plane p = n c + ch is out of date with the channel's weight wc (k floats) */
+static inline int dw_kept_stale(const uint8_t *valid, const float *kwts, int64_t p, const float *wc, int64_t k) {
+    return !valid[p] || __builtin_memcmp(kwts + p * k, wc, (size_t)k * sizeof(float)) != 0;
+}
+/* out[q] = kp[q] + (0 + bias) for the plane's len floats: the fresh forward's last addition (DW_BIAS_LAST); out may be
+ * kp itself */
+static void dw_add_bias(int64_t len, const float *kp, float bias, float *out) {
+    const float bn = 0.0f + bias;
+    if (out == kp) {
+        for (int64_t q = 0; q < len; q++)
+            out[q] += bn;
+        return;
+    }
+    const float *restrict src = kp;
+    float *restrict dst = out;
+    for (int64_t q = 0; q < len; q++)
+        dst[q] = src[q] + bn;
+}
 void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const int64_t *idx, const float *x, int64_t h,
                          int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                          int64_t wo, const float *weight, const float *bias, const float *target, float lo, float hi,
                          float wlo, float whi, float gscale, float *gw, float *gb, double *sse, float *scratch,
-                         float *plane, double *tot, const float *phases) {
+                         float *plane, double *tot, const float *phases, float *kept, float *kwts, uint8_t *valid) {
     int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw, len = ho * wo;
     int64_t phased = sw * hp * wq + VL; /* floats per plane of `phases` */
     int64_t off[k];
@@ -1775,15 +1806,25 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
         for (int64_t i = 0; i < k; i++)
             tot[i] = 0.0;
         double total = 0.0, gsum = 0.0;
+        const float *wc = weight + ch * k;
         for (int64_t b = 0; b < nb; b++) {
+            int64_t p = idx[b] * c + ch;
+            int stale = kept != NULL && dw_kept_stale(valid, kwts, p, wc, k);
             const float *pp = scratch;
             if (phases != NULL)
-                pp = phases + (idx[b] * c + ch) * phased;
-            else
-                phase_plane(x + (idx[b] * c + ch) * h * w, h, w, ph, pw, hp, sw, wq, scratch);
-            dw_forward_plane(pp, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, plane);
-            total += act_residual_row(len, plane, target + (idx[b] * c + ch) * len, lo, hi, wlo, whi, gscale,
-                                      sse != NULL);
+                pp = phases + p * phased;
+            else if (kept == NULL || stale || gw != NULL) /* (a kept plane's loss alone reads no phases) */
+                phase_plane(x + p * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+            if (kept != NULL) {
+                if (stale) {
+                    dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * len);
+                    __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
+                    valid[p] = 1;
+                }
+                dw_add_bias(len, kept + p * len, bias ? bias[ch] : 0.0f, plane);
+            } else
+                dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, bias ? bias[ch] : 0.0f, plane);
+            total += act_residual_row(len, plane, target + p * len, lo, hi, wlo, whi, gscale, sse != NULL);
             if (gw != NULL)
                 dw_wgrad_plane(pp, wq, k, off, sh, ho, wo, plane, tot);
             if (gb != NULL) {
@@ -1804,6 +1845,37 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             gb[ch] = (float)gsum;
         if (sse != NULL)
             sse[ch] = total;
+    }
+}
+
+/* The kept outputs (qt_depthwise_direct's kept, kwts, valid) of every sample n in [0, nn) for channels ch in [c0, c1),
+ * brought up to date with `weight` (planes out of date computed again), plus the bias, into out ([nn][c][ho wo]; may be
+ * kept itself): the layer's output, the same floats as qt_depthwise_forward's (DW_BIAS_LAST). scratch, phases as
+ * qt_depthwise_direct's. */
+void qt_depthwise_kept_output(int64_t c0, int64_t c1, int64_t c, int64_t nn, const float *x, int64_t h, int64_t w,
+                              int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
+                              int64_t wo, const float *weight, const float *bias, float *kept, float *kwts,
+                              uint8_t *valid, float *out, float *scratch, const float *phases) {
+    int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw, len = ho * wo;
+    int64_t phased = sw * hp * wq + VL;
+    int64_t off[k];
+    tap_offsets(kh, kw, sw, hp, wq, off);
+    for (int64_t ch = c0; ch < c1; ch++) {
+        const float *wc = weight + ch * k;
+        for (int64_t n = 0; n < nn; n++) {
+            int64_t p = n * c + ch;
+            if (dw_kept_stale(valid, kwts, p, wc, k)) {
+                const float *pp = scratch;
+                if (phases != NULL)
+                    pp = phases + p * phased;
+                else
+                    phase_plane(x + p * h * w, h, w, ph, pw, hp, sw, wq, scratch);
+                dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * len);
+                __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
+                valid[p] = 1;
+            }
+            dw_add_bias(len, kept + p * len, bias ? bias[ch] : 0.0f, out + p * len);
+        }
     }
 }
 
@@ -1849,8 +1921,8 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
 }
 
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dwb8_plane_* below) */
-/* one output row of the channel-blocked forward: prow[xx GB + t] = bias + sum_i w_i xs(xx step + off_i), the taps in
- * order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
+/* one output row of the channel-blocked forward: prow[xx GB + t] = sum_i w_i xs(xx step + off_i) + bias (DW_BIAS_LAST;
+ * bias16 holds 0 + bias per lane), the taps in order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
  * multiply-adds (one chain waits on each multiply-add's latency, 4 cycles); K taps as a constant keeps the weights in
  * registers. */
 #define DWB_FORWARD(NAME, K, P)                                                                                        \
@@ -1866,17 +1938,17 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
         for (; xx + (P) <= wo; xx += (P)) {                                                                            \
             const float *base = xs + xx * step;                                                                        \
             vf acc[P];                                                                                                 \
-            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] = bv;                                        \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] = (vf){0};                                   \
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++)                                                 \
                 _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] += wv[i] * loadu(base + j * step + o[i]); \
             _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++)                                                      \
-                storeu(prow + (xx + j) * GB, acc[j]);                                                                  \
+                storeu(prow + (xx + j) * GB, acc[j] + bv);                                                             \
         }                                                                                                              \
         for (; xx < wo; xx++) {                                                                                        \
             const float *base = xs + xx * step;                                                                        \
-            vf acc = bv;                                                                                               \
+            vf acc = (vf){0};                                                                                          \
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++) acc += wv[i] * loadu(base + o[i]);             \
-            storeu(prow + xx * GB, acc);                                                                               \
+            storeu(prow + xx * GB, acc + bv);                                                                          \
         }                                                                                                              \
         (void)k;                                                                                                       \
     }
@@ -1887,7 +1959,7 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
     int64_t xx = 0;
     for (; xx + 4 <= wo; xx += 4) {
         const float *base = xs + xx * step;
-        vf a0 = bv, a1 = bv, a2 = bv, a3 = bv;
+        vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < k; i++) {
             vf wv = loadu(wb + i * GB);
             a0 += wv * loadu(base + off[i]);
@@ -1895,17 +1967,17 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
             a2 += wv * loadu(base + 2 * step + off[i]);
             a3 += wv * loadu(base + 3 * step + off[i]);
         }
-        storeu(prow + xx * GB, a0);
-        storeu(prow + (xx + 1) * GB, a1);
-        storeu(prow + (xx + 2) * GB, a2);
-        storeu(prow + (xx + 3) * GB, a3);
+        storeu(prow + xx * GB, a0 + bv);
+        storeu(prow + (xx + 1) * GB, a1 + bv);
+        storeu(prow + (xx + 2) * GB, a2 + bv);
+        storeu(prow + (xx + 3) * GB, a3 + bv);
     }
     for (; xx < wo; xx++) {
         const float *base = xs + xx * step;
-        vf acc = bv;
+        vf acc = (vf){0};
         for (int64_t i = 0; i < k; i++)
             acc += loadu(wb + i * GB) * loadu(base + off[i]);
-        storeu(prow + xx * GB, acc);
+        storeu(prow + xx * GB, acc + bv);
     }
 }
 
@@ -1914,8 +1986,8 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The channel-blocked forward of a whole plane on AVX2: each 8-channel half of the block on its own (one 256-bit
  * vector), DWB8_P positions side by side across rows (independent chains of multiply-adds even on a 7-wide plane),
- * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (the bias, then
- * a multiply-add per tap in tap order), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
+ * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (from +0 a
+ * multiply-add per tap in tap order, then the bias), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
  * twenty-five weights and eight accumulators are two registers each (522 of 943 instructions of dwb_forward_k9 went
  * through the stack). */
 #define DWB8_P 8
@@ -1934,7 +2006,7 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
                 _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++) {                                             \
                     int64_t y = (q + j) / wo, xx = (q + j) % wo;                                                       \
                     in[j] = xs + sh * y * wp * GB + xx * step + hf;                                                    \
-                    a[j] = bv;                                                                                         \
+                    a[j] = (vf8){0};                                                                                   \
                 }                                                                                                      \
                 for (int64_t i = 0; i < (KK); i++) {                                                                   \
                     vf8 w;                                                                                             \
@@ -1946,19 +2018,22 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
                         a[j] = fma8(w, t, a[j]);                                                                       \
                     }                                                                                                  \
                 }                                                                                                      \
-                _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++)                                               \
-                    __builtin_memcpy(prow + (q + j) * GB + hf, &a[j], sizeof a[j]);                                    \
+                _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++) {                                             \
+                    const vf8 s_ = a[j] + bv;                                                                          \
+                    __builtin_memcpy(prow + (q + j) * GB + hf, &s_, sizeof s_);                                        \
+                }                                                                                                      \
             }                                                                                                          \
             for (; q < len; q++) {                                                                                     \
                 int64_t y = q / wo, xx = q % wo;                                                                       \
                 const float *in0 = xs + sh * y * wp * GB + xx * step + hf;                                             \
-                vf8 a0 = bv;                                                                                           \
+                vf8 a0 = (vf8){0};                                                                                     \
                 for (int64_t i = 0; i < (KK); i++) {                                                                   \
                     vf8 w, t;                                                                                          \
                     __builtin_memcpy(&w, wb + i * GB + hf, sizeof w);                                                  \
                     __builtin_memcpy(&t, in0 + off[i], sizeof t);                                                      \
                     a0 = fma8(w, t, a0);                                                                               \
                 }                                                                                                      \
+                a0 += bv;                                                                                              \
                 __builtin_memcpy(prow + q * GB + hf, &a0, sizeof a0);                                                  \
             }                                                                                                          \
         }                                                                                                              \
@@ -2109,7 +2184,7 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * fills 7 of 16 lanes per plane row there, and each plane pays its own padded copy and lane sums). Per block of GB
  * channels and sample: the zero-padded planes interleaved (xs: hp wp columns of GB floats; the border zeroed once per
  * call and never written) and the block's target rows (ts: ho wo x GB); then over the plane
- *   p = bias + sum_i w_i x(pos + o_i)          dwb_forward_*: qt_depthwise_forward's floats
+ *   p = sum_i w_i x(pos + o_i) + bias          dwb_forward_*: qt_depthwise_forward's floats (DW_BIAS_LAST)
  *   r = clamp(p, lo, hi) - target; g = gscale r m       act_residual_lanes: act_residual_row's floats
  *   gw_i += g x(pos + o_i)                     one float32 vector per tap over the plane, then float64 per channel
  *   gb += g, sse += r^2                        float64 per channel, in position order
@@ -2118,13 +2193,18 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * prow ho wo GB (the plane's outputs, then its output gradient); tot: (k + 2) GB doubles. gw NULL: the loss alone;
  * gb NULL: no bias gradient. xs_all / ts_all (both or neither): every sample's planes and target rows already in
  * that layout, [N][ceil(c / GB)][hp wp GB] and [N][ceil(c / GB)][ho wo GB] (qt_depthwise_blocked_prepare), read
- * instead of interleaved per call (the same values, so the same bits; xs and ts unused then). */
+ * instead of interleaved per call (the same values, so the same bits; xs and ts unused then).
+ * kept (or NULL): qt_depthwise_direct's kept outputs in this layout, [N][ceil(c / GB)][ho wo GB] (the block's sums
+ * without the bias), for the block weights kwts ([N][ceil(c / GB)][kh kw GB], wb's layout) where valid
+ * ([N][ceil(c / GB)]) is 1: a block whose weights have other bits is computed again (every lane: the lanes whose
+ * weights did not change get their kept floats again), and the output is the kept block plus the bias. */
+static const float zero16[GB] = {0};
 void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, const int64_t *idx, const float *x,
                                  int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh,
                                  int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
                                  const float *target, float lo, float hi, float wlo, float whi, float gscale, float *gw,
                                  float *gb, double *sse, float *xs, float *ts, float *wb, float *prow, double *tot,
-                                 const float *xs_all, const float *ts_all) {
+                                 const float *xs_all, const float *ts_all, float *kept, float *kwts, uint8_t *valid) {
     int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
     int64_t nblk = (c + GB - 1) / GB;
     int64_t off[k];
@@ -2141,7 +2221,7 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
         float bb[GB];
         for (int64_t t = 0; t < GB; t++)
-            bb[t] = (bias != NULL && t < cn) ? bias[c0 + t] : 0.0f;
+            bb[t] = (bias != NULL && t < cn) ? 0.0f + bias[c0 + t] : 0.0f; /* (+0 for -0: DW_BIAS_LAST) */
         for (int64_t j = 0; j < (k + 2) * GB; j++)
             tot[j] = 0.0;
         for (int64_t b = 0; b < nb; b++) {
@@ -2155,7 +2235,19 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                     interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
-            dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, prow);
+            if (kept != NULL) {
+                int64_t pq = idx[b] * nblk + q;
+                float *kb = kept + pq * len * GB;
+                if (!valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0) {
+                    dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
+                    __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
+                    valid[pq] = 1;
+                }
+                for (int64_t j = 0; j < len; j++)
+                    for (int64_t t = 0; t < GB; t++)
+                        prow[j * GB + t] = kb[j * GB + t] + bb[t];
+            } else
+                dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, prow);
             act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, sse != NULL ? ssel : NULL,
                                gb != NULL ? gsl : NULL);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
@@ -2179,6 +2271,56 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 gb[c0 + t] = (float)gsl[t];
             if (sse != NULL)
                 sse[c0 + t] = ssel[t];
+        }
+    }
+}
+
+/* qt_depthwise_kept_output on qt_depthwise_direct_blocked's kept blocks: for the blocks q in [q0, q1) of every sample
+ * n in [0, nn), blocks out of date computed again, then the kept sums plus the bias de-interleaved into out
+ * ([nn][c][ho wo]): the same floats as qt_depthwise_forward's. xs (hp wp GB floats) and wb (kh kw GB floats): scratch;
+ * xs_all: the prepared planes ([N][ceil(c / GB)][hp wp GB]) or NULL. */
+void qt_depthwise_kept_output_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nn, const float *x, int64_t h,
+                                      int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                                      int64_t ho, int64_t wo, const float *weight, const float *bias, float *kept,
+                                      float *kwts, uint8_t *valid, float *out, float *xs, float *wb,
+                                      const float *xs_all) {
+    int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
+    int64_t nblk = (c + GB - 1) / GB;
+    int64_t off[k];
+    for (int64_t a = 0; a < kh; a++)
+        for (int64_t b = 0; b < kw; b++)
+            off[a * kw + b] = (a * wp + b) * GB;
+    if (xs_all == NULL)
+        __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
+    for (int64_t q = q0; q < q1; q++) {
+        int64_t c0 = q * GB, cn = c - c0 < GB ? c - c0 : GB;
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t t = 0; t < GB; t++)
+                wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
+        float bb[GB];
+        for (int64_t t = 0; t < GB; t++)
+            bb[t] = (bias != NULL && t < cn) ? 0.0f + bias[c0 + t] : 0.0f;
+        for (int64_t n = 0; n < nn; n++) {
+            int64_t pq = n * nblk + q;
+            float *kb = kept + pq * len * GB;
+            if (!valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0) {
+                const float *xb = xs;
+                if (xs_all != NULL)
+                    xb = xs_all + pq * hp * wp * GB;
+                else {
+                    const float *src = x + (n * c + c0) * plane;
+                    for (int64_t r = 0; r < h; r++)
+                        interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+                }
+                dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
+                __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
+                valid[pq] = 1;
+            }
+            for (int64_t t = 0; t < cn; t++) {
+                float *o = out + (n * c + c0 + t) * len;
+                for (int64_t j = 0; j < len; j++)
+                    o[j] = kb[j * GB + t] + bb[t];
+            }
         }
     }
 }
@@ -2267,4 +2409,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 32; }
+int qt_cpu_steps_version(void) { return 33; }

@@ -36,14 +36,14 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
+           "depthwise_direct", "DepthwiseKept", "depthwise_kept", "depthwise_kept_output", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
            "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
            "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "KeptDiff", "one_pass", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 32
+_VERSION = 33
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -81,9 +81,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_depthwise_forward_pads.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 12 + [ptr] * 4
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
-        [ptr] * 7
+        [ptr] * 10
     lib.qt_depthwise_direct_blocked.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + \
-        [f32] * 5 + [ptr] * 10
+        [f32] * 5 + [ptr] * 13
+    lib.qt_depthwise_kept_output.argtypes = [i64, i64, i64, i64, ptr] + [i64] * 10 + [ptr] * 8
+    lib.qt_depthwise_kept_output_blocked.argtypes = [i64, i64, i64, i64, ptr] + [i64] * 10 + [ptr] * 9
+    lib.qt_depthwise_kept_output.restype = lib.qt_depthwise_kept_output_blocked.restype = None
     lib.qt_depthwise_phase_prepare.argtypes = [i64, i64, ptr] + [i64] * 6 + [ptr]
     lib.qt_depthwise_blocked_prepare.argtypes = [i64, i64, i64, ptr] + [i64] * 4 + [ptr, i64, ptr, ptr]
     lib.qt_depthwise_phase_prepare.restype = lib.qt_depthwise_blocked_prepare.restype = None
@@ -726,11 +729,103 @@ def depthwise_prepare(x: torch.Tensor, target: torch.Tensor, kernel, stride, pad
     return DepthwisePrepared(False, phases=phases)
 
 
+@dataclass(frozen=True)
+class DepthwiseKept:
+    """Every sample's output planes of a depthwise layer without the bias, kept between iterations for AdaQuant,
+    whose integer weights change in a few taps a step (:func:`depthwise_kept`): ``kept`` (float32
+    ``[N, C, Ho * Wo]``, or ``[N, ceil(C / 16), Ho * Wo, 16]`` with ``blocked``, the channel-blocked kernel's layout),
+    the weights each plane (block) was computed with (``kwts``: float32 ``[N, C, kh * kw]``, or
+    ``[N, ceil(C / 16), kh * kw, 16]``) and whether it was (``valid``: uint8 ``[N, C]`` or ``[N, ceil(C / 16)]``).
+    The kernels compute a plane again when its channel's (block's) weights have other bits than the kept ones, and
+    add the bias last: the forward sums its taps from zero and adds the bias after them (``DW_BIAS_LAST`` in
+    cpu_steps.c), so a kept plane plus the bias is the fresh forward's float."""
+
+    blocked: bool
+    kept: torch.Tensor
+    kwts: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kept, self.kwts, self.valid))
+
+
+def depthwise_kept(x: torch.Tensor, kernel, stride, padding, blocked: Optional[bool] = None) -> DepthwiseKept:
+    """Empty kept outputs (:class:`DepthwiseKept`, nothing valid) for a depthwise layer on ``x`` (``[N, C, H, W]``)
+    with this geometry; ``blocked`` as :func:`depthwise_direct` takes it (None: by the output width)."""
+    kh, kw = kernel
+    ho, wo = _depthwise_geometry(x, kernel, stride, padding)[8:10]
+    n, c = x.shape[0], x.shape[1]
+    if blocked is None:
+        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    if blocked:
+        nblk = -(-c // _GB)
+        return DepthwiseKept(True, torch.empty(n, nblk, ho * wo, _GB, dtype=torch.float32),
+                             torch.empty(n, nblk, kh * kw, _GB, dtype=torch.float32),
+                             torch.zeros(n, nblk, dtype=torch.uint8))
+    return DepthwiseKept(False, torch.empty(n, c, ho * wo, dtype=torch.float32),
+                         torch.empty(n, c, kh * kw, dtype=torch.float32), torch.zeros(n, c, dtype=torch.uint8))
+
+
+def _kept_ptrs(kept: Optional[DepthwiseKept]):
+    return (None, None, None) if kept is None else (kept.kept.data_ptr(), kept.kwts.data_ptr(),
+                                                   kept.valid.data_ptr())
+
+
+def depthwise_kept_output(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kernel, stride, padding,
+                          kept: DepthwiseKept, prepared: Optional[DepthwisePrepared] = None,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The layer's output for every sample of ``x`` (``[N, C, H, W]``) with ``weight`` (contiguous ``[C, 1, kh, kw]``)
+    and ``bias`` (``[C]`` or None), from the kept outputs ``kept`` (planes or blocks whose weights changed computed
+    again, and ``kept`` brought up to date): float32 ``[N, C, Ho, Wo]``, the same floats as :func:`depthwise_forward`
+    (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that shape), or None (a new
+    tensor; on the plane layout ``kept.kept`` itself may be given: the outputs then replace the kept sums, which
+    are no longer valid). ``prepared``: the same layer's :func:`depthwise_prepare` (its planes read instead of
+    arranged again), or None.
+
+    Raises:
+        ValueError: ``prepared`` of the other layout than ``kept``; ``out`` is ``kept.kept`` on the blocked layout."""
+    if prepared is not None and prepared.blocked != kept.blocked:
+        raise ValueError(f"depthwise_kept_output: prepared blocked={prepared.blocked} but kept blocked={kept.blocked}")
+    if out is not None and kept.blocked and out.data_ptr() == kept.kept.data_ptr():
+        raise ValueError("depthwise_kept_output: out may be kept.kept only on the plane layout (blocked=False)")
+    h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
+    n, c = x.shape[0], x.shape[1]
+    if out is None:
+        out = torch.empty(n, c, ho, wo, dtype=torch.float32)
+    bias_c = None if bias is None else bias.contiguous()
+    kp, kwp, vp = _kept_ptrs(kept)
+    work = n * c * ho * wo * kh * kw
+    lib = library()
+    if kept.blocked:
+        nblk = -(-c // _GB)
+        pool = _pool() if nblk > 1 and work >= PARALLEL_MIN else None
+        parts = 1 if pool is None else min(pool[1], nblk)
+        xs = torch.empty(parts, (h + 2 * ph) * (w + 2 * pw) * _GB if prepared is None else 1, dtype=torch.float32)
+        wb = torch.empty(parts, kh * kw * _GB, dtype=torch.float32)
+        xs_all = None if prepared is None else prepared.xs.data_ptr()
+        native.split(lib.qt_depthwise_kept_output_blocked, nblk, pool,
+                     lambda i, a, e: (a, e, c, n, x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo, weight.data_ptr(),
+                                      _ptr(bias_c), kp, kwp, vp, out.data_ptr(), xs[i].data_ptr(), wb[i].data_ptr(),
+                                      xs_all))
+        return out
+    pool = _pool() if c > 1 and work >= PARALLEL_MIN else None
+    parts = 1 if pool is None else min(pool[1], c)
+    scratch = torch.zeros(parts, scratch_len if prepared is None else 1, dtype=torch.float32)
+    phases = None if prepared is None else prepared.phases.data_ptr()
+    native.split(lib.qt_depthwise_kept_output, c, pool,
+                 lambda i, a, e: (a, e, c, n, x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo, weight.data_ptr(),
+                                  _ptr(bias_c), kp, kwp, vp, out.data_ptr(), scratch[i].data_ptr(), phases))
+    if kept.kept.data_ptr() == out.data_ptr():
+        kept.valid.zero_()  # (the planes now hold the outputs, bias included)
+    return out
+
+
 def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
                      gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None,
                      prepared: Optional[DepthwisePrepared] = None, workspace: Optional[dict] = None,
-                     want_sse: bool = True):
+                     want_sse: bool = True, kept: Optional[DepthwiseKept] = None):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -744,11 +839,22 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     ``target`` with this geometry, read instead of arranging the mini-batch's planes per call (the same bits; its
     route, blocked or not, is the one taken). ``workspace``: a dict the caller keeps between calls of one layer,
     where the kernels' scratch buffers are kept (instead of allocated per call; their contents are not read across
-    calls). ``want_sse=False``: ``sse`` is None (not summed). Channels are split between torch's threads."""
+    calls). ``want_sse=False``: ``sse`` is None (not summed). ``kept``: :func:`depthwise_kept`'s outputs of this layer
+    (brought up to date with ``weight`` for the rows ``idx``), read plus the bias instead of a forward: the same
+    floats, so the same bits (:class:`DepthwiseKept`); its layout is the route taken. Channels are split between
+    torch's threads.
+
+    Raises:
+        ValueError: ``prepared`` and ``kept`` of different layouts."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     b, c = idx.numel(), x.shape[1]
+    if prepared is not None and kept is not None and prepared.blocked != kept.blocked:
+        raise ValueError(f"depthwise_direct: prepared blocked={prepared.blocked} but kept blocked={kept.blocked}")
     if prepared is not None:
         blocked = prepared.blocked
+    elif kept is not None:
+        blocked = kept.blocked
+    kp, kwp, vp = _kept_ptrs(kept)
     gw = torch.empty(c, 1, kh, kw, dtype=torch.float32) if grads else None
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64) if want_sse else None  # (not summed in C without it)
@@ -771,7 +877,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                                       weight.data_ptr(), _ptr(bias_c),
                                       target.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
                                       _ptr(gw), _ptr(gb), _ptr(sse), _row(xs, i), _row(ts, i), _row(wb, i),
-                                      _row(prow, i), _row(tot, i), xs_all, ts_all))
+                                      _row(prow, i), _row(tot, i), xs_all, ts_all, kp, kwp, vp))
         return gw, gb, (sse.sum() if want_sse else None)
     pool = _pool() if c > 1 and work >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
@@ -785,7 +891,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(),
                                   float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb),
-                                  _ptr(sse), _row(scratch, i), _row(plane, i), _row(tot, i), phases))
+                                  _ptr(sse), _row(scratch, i), _row(plane, i), _row(tot, i), phases, kp, kwp, vp))
     return gw, gb, (sse.sum() if want_sse else None)
 
 

@@ -1256,6 +1256,9 @@ def _direct_loss(qm, node, layer, ld, s: FastFinetuneSettings, out_q, act_module
         incremental = (s.optim_algorithm == "adaquant" and layer.weight_quantizer.fmt.family.integer_grid
                        and s.mem_opt_level < 2 and x.shape[0] > s.batch_size)
         direct = DirectLayerLoss(module, x, ld.target, clamp, bias, incremental=incremental)
+    if direct.kept_depthwise:
+        return direct, ("direct loss (every sample's output planes kept, computed again where the channel's taps "
+                        "change, no autograd)")
     if direct.incremental:
         cols = " of the unfolded input" if direct.unfolded else ""
         return direct, f"direct loss (every sample's output{cols} kept and moved by the weight's changes, no autograd)"

@@ -1010,6 +1010,11 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 #: (cpu_steps.depthwise_prepare, about the size of the cached input and target): EfficientNet-Lite0's 112x112 and
 #: 56x56 layers take 27-80 MB for 16 samples
 DEPTHWISE_PREPARED_MAX_BYTES = 128 << 20
+#: AdaQuant on an integer grid keeps a depthwise layer's output planes between iterations (cpu_steps.DepthwiseKept):
+#: its taps change in 0.5-9 % of the channels between two visits of a sample (EfficientNet-Lite0, AdaQuant 50), and a
+#: kept plane plus the bias is the fresh forward's float (DW_BIAS_LAST), so only the changed planes are computed again
+#: (the same bits). False: every iteration computes the forward (for comparisons)
+DEPTHWISE_KEPT = True
 #: a lazily built depthwise layer's row of H (QuadraticLayerLoss(sparse=True)) costs about this many of the eager
 #: build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
 #: dispatch-bound) 0.56 ms a row against 7.8 ms for every row of 16 samples' [256, 14, 14] 5x5 layer (5e8 units), one
@@ -1525,7 +1530,9 @@ class DirectLayerLoss:
         bias: the layer's quantized bias as the forward sees it while it is not trained (float32 ``[out]``), or
             None (no bias).
         incremental: keep every sample's output and move it by the weight's changes (above); honoured for a 1x1
-            Conv2d on a CPU (``self.incremental`` says whether it is).
+            Conv2d on a CPU (``self.incremental`` says whether it is), and for a depthwise Conv2d on the C kernels
+            as their kept planes (``self.kept_depthwise``; ``DEPTHWISE_KEPT``): a plane is computed again when its
+            channel's quantized taps change, and plus the bias it is the forward's float, so the same bits.
 
     Raises:
         ValueError: ``module`` / ``x`` / ``target`` not covered (check :meth:`covers` first).
@@ -1578,6 +1585,10 @@ class DirectLayerLoss:
                                or plane * x.shape[1] * module.out_channels >= ONEDNN_MIN_MACS))
         self._out: Optional[torch.Tensor] = None
         self._prep = None  # depthwise: the input rearranged for the C kernel (_prepared), False when not kept
+        # depthwise, AdaQuant on an integer grid: every sample's output planes without the bias, for the weights they
+        # were computed with (cpu_steps.DepthwiseKept, made on the first call: _depthwise_kept)
+        self.kept_depthwise = bool(incremental and self.depthwise and DEPTHWISE_KEPT)
+        self._dwk: Optional[cpu_steps.DepthwiseKept] = None
         self.incremental = bool(incremental and self.pointwise)
         self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
         self._xg: Optional[torch.Tensor] = None  # [C, B, H * W]: the mini-batch's input rows (by_channel steps)
@@ -1629,6 +1640,17 @@ class DirectLayerLoss:
             self._prep = (cpu_steps.depthwise_prepare(self.x, self.target, m.kernel_size, m.stride, m.padding)
                           if fits else False)
         return self._prep or None
+
+    def _depthwise_kept(self) -> Optional[cpu_steps.DepthwiseKept]:
+        """A depthwise layer's kept output planes (``kept_depthwise``), made empty on the first call in the layout of
+        the route :meth:`_prepared` takes; None where none are kept."""
+        if not self.kept_depthwise:
+            return None
+        if self._dwk is None:
+            m, prep = self.module, self._prepared()
+            self._dwk = cpu_steps.depthwise_kept(self.x, m.kernel_size, m.stride, m.padding,
+                                                 blocked=None if prep is None else prep.blocked)
+        return self._dwk
 
     def _buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
         """The float32 buffer of ``shape`` reused between iterations (``self._out``; a new one when the shape
@@ -1804,7 +1826,7 @@ class DirectLayerLoss:
             gw, gb, sse = cpu_steps.depthwise_direct(
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
                 m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None,
-                prepared=self._prepared(), workspace=self._workspace, want_sse=want_loss)
+                prepared=self._prepared(), workspace=self._workspace, want_sse=want_loss, kept=self._depthwise_kept())
             return gw, gb, (sse * f if want_loss else None)
         gb, by_channel = None, False
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
@@ -1871,7 +1893,17 @@ class DirectLayerLoss:
         """The layer's output before the activation for every sample with its current quantized weight and bias (the
         module's), from the kept outputs (moved by the weight's last changes, the bias added in place: the same
         convolution to float rounding), as a float32 ``[N, O, H, W]`` view of their memory, which the loss then
-        forgets (as :meth:`release_kept`); None where none are kept."""
+        forgets (as :meth:`release_kept`); None where none are kept. A depthwise layer's kept planes
+        (``kept_depthwise``): the planes whose taps changed computed again, plus the bias: the forward's floats
+        (into the planes' memory on the plane layout, a new tensor on the channel-blocked one)."""
+        if self.kept_depthwise and self._dwk is not None:
+            weight, bias = self._current()
+            dwk, self._dwk = self._dwk, None
+            m, n, c = self.module, self.x.shape[0], self.x.shape[1]
+            ho, wo = self.target.shape[2], self.target.shape[3]
+            out = None if dwk.blocked else dwk.kept.view(n, c, ho, wo)
+            return cpu_steps.depthwise_kept_output(self.x, weight.contiguous(), bias, m.kernel_size, m.stride,
+                                                   m.padding, dwk, prepared=self._prepared(), out=out)
         if not self.incremental or self._p0 is None:
             return None
         weight, bias = self._current()
@@ -1885,6 +1917,7 @@ class DirectLayerLoss:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
         None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
         p0, self._p0, self._w0, self._pending = self._p0, None, None, None
+        self._dwk = None  # (a depthwise layer's kept planes: forgotten, none given)
         self._reset_log(0)
         return p0
 
@@ -1909,7 +1942,7 @@ class DirectLayerLoss:
             sse = cpu_steps.depthwise_direct(self.x, torch.tensor(ids, dtype=torch.int64), weight.contiguous(), bias,
                                              m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
                                              self.wlo, self.whi, 0.0, False, grads=False,
-                                             prepared=self._prepared())[2]
+                                             prepared=self._prepared(), kept=self._depthwise_kept())[2]
             return float(sse) / (len(ids) * self.denominator)
         # incremental: every sample's outputs kept for the training that follows (the loss before finetuning)
         forward = self._forward_incremental if self.incremental and idx is None else self._forward

@@ -481,6 +481,111 @@ def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, s
         torch.set_num_threads(before)
 
 
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["planes", "channel_blocks"])
+def test_depthwise_forward_adds_the_bias_last(blocked):
+    """DW_BIAS_LAST: every depthwise forward (plane by plane and channel-blocked, 3x3 / 5x5 / other tap counts) is its
+    bias-free output plus (0 + bias), bit for bit: the property the kept planes stand on. A -0.0 bias acts as +0."""
+    gen = torch.Generator().manual_seed(11)
+    for kernel, stride, padding in [((3, 3), (1, 1), (1, 1)), ((5, 5), (2, 2), (2, 2)), ((3, 5), (1, 2), (1, 2))]:
+        c = 19  # a full block of 16 channels and a partial one
+        x = torch.randn(3, c, 9, 13, generator=gen)
+        w = torch.randn(c, 1, *kernel, generator=gen).contiguous()
+        b = torch.randn(c, generator=gen)
+        b[2], b[5] = -0.0, 0.0
+        idx = torch.tensor([2, 0])
+        y = cpu_steps.depthwise_forward(x, idx, w, b, kernel, stride, padding)
+        y0 = cpu_steps.depthwise_forward(x, idx, w, None, kernel, stride, padding)
+        want = y0 + (0.0 + b).view(1, -1, 1, 1)
+        assert torch.equal(y.view(torch.int32), want.view(torch.int32)), kernel
+        # the kept planes plus the bias: the same floats
+        kept = cpu_steps.depthwise_kept(x, kernel, stride, padding, blocked=blocked)
+        out = cpu_steps.depthwise_kept_output(x, w, b, kernel, stride, padding, kept)
+        assert torch.equal(out[idx].view(torch.int32), y.view(torch.int32)), kernel
+
+
+@pytest.mark.parametrize("prepare", [False, True], ids=["per_call", "prepared"])
+@pytest.mark.parametrize("blocked", [False, True], ids=["planes", "channel_blocks"])
+@pytest.mark.parametrize("kernel,stride,padding,clamp", [
+    ((3, 3), (1, 1), (1, 1), (0.0, 6.0, 0.0, 0.0)), ((5, 5), (2, 2), (2, 2), (-math.inf, math.inf, 1.0, 1.0)),
+    ((3, 5), (2, 1), (0, 2), (0.0, math.inf, 0.0, 1.0)),
+])
+def test_depthwise_kept_planes_give_the_fresh_bits(monkeypatch, kernel, stride, padding, clamp, blocked, prepare):
+    """AdaQuant's kept depthwise planes (cpu_steps.depthwise_kept): over steps whose weights change in a few channels
+    (one in each block, the bias every step, a sample drawn twice in a mini-batch, the loss alone over every
+    sample), depthwise_direct with the kept planes gives the fresh forward's gradients and loss bit for bit, on one
+    thread and two; only the planes (blocks) whose taps changed are computed again; depthwise_kept_output is
+    depthwise_forward's output, into the kept planes' memory on the plane layout."""
+    monkeypatch.setattr(cpu_steps, "PARALLEL_MIN", 1)
+    gen = torch.Generator().manual_seed(12)
+    c = 21
+    conv = torch.nn.Conv2d(c, c, kernel, stride=stride, padding=padding, groups=c)
+    x = torch.randn(5, c, 11, 14, generator=gen)
+    with torch.no_grad():
+        target = (conv(x) + 0.3 * torch.randn(conv(x).shape, generator=gen)).contiguous()
+    w, b = conv.weight.detach().clone().contiguous(), conv.bias.detach().clone()
+    args = (conv.kernel_size, conv.stride, conv.padding)
+    lo, hi, wlo, whi = clamp
+    prep = cpu_steps.depthwise_prepare(x, target, *args, blocked=blocked) if prepare else None
+    kept = cpu_steps.depthwise_kept(x, *args, blocked=blocked)
+    assert kept.blocked == blocked and not bool(kept.valid.any())
+    computed = []
+    before = torch.get_num_threads()
+    try:
+        for step, ids in enumerate([[3, 1], [1, 3], [4, 4], [0, 1, 2, 3, 4], [2, 0]]):
+            torch.set_num_threads(1 + step % 2)
+            if step:  # a few taps move (one channel in each block) and the bias moves everywhere, as AdaQuant's do
+                w[step, 0, 0, 0] += 0.01
+                w[16 + step % 5, 0, -1, -1] -= 0.02
+                b += 1e-3
+            idx = torch.tensor(ids)
+            grads = step != 3  # (the loss alone over every sample: the loss before / value)
+            valid_before = kept.valid.clone()
+            fresh = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                               blocked=blocked, prepared=prep, grads=grads)
+            got = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                             blocked=blocked, prepared=prep, grads=grads, kept=kept)
+            for f, g in zip(fresh[:2], got[:2]):
+                assert (f is None) == (g is None)
+                if f is not None:
+                    assert torch.equal(f.view(torch.int32), g.view(torch.int32)), step
+            assert float(fresh[2]) == float(got[2]), step
+            assert bool(kept.valid[idx].all())
+            computed.append(int((~valid_before.bool()[sorted(set(ids))]).sum()))
+        unit = kept.valid.shape[1]
+        assert computed[:3] == [2 * unit, 0, unit]  # samples 3 and 1 new, then seen, then 4 (twice in one batch)
+        # the kept planes are what is read where the taps did not change: spoilt, the result moves; marked not
+        # valid, they are computed again and the fresh bits come back
+        idx = torch.tensor([0])
+        fresh = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                           blocked=blocked, prepared=prep)
+        kept.kept[0] += 1.0
+        spoilt = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                            blocked=blocked, prepared=prep, kept=kept)
+        assert not torch.equal(spoilt[0], fresh[0])
+        kept.valid[0] = 0
+        again = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                           blocked=blocked, prepared=prep, kept=kept)
+        assert torch.equal(again[0].view(torch.int32), fresh[0].view(torch.int32))
+        w[7, 0, 0, 0] += 0.5
+        y = cpu_steps.depthwise_forward(x, torch.arange(5), w, b, *args)
+        out = cpu_steps.depthwise_kept_output(x, w, b, *args, kept, prepared=prep)
+        assert torch.equal(out.view(torch.int32), y.view(torch.int32))
+        if not blocked:  # into the kept planes themselves
+            mem = kept.kept.view(out.shape)
+            got = cpu_steps.depthwise_kept_output(x, w, b, *args, kept, prepared=prep, out=mem)
+            assert got.data_ptr() == kept.kept.data_ptr() and torch.equal(got.view(torch.int32), y.view(torch.int32))
+            assert not bool(kept.valid.any())  # (they hold the outputs now)
+        else:
+            with pytest.raises(ValueError, match="only on the plane layout"):
+                cpu_steps.depthwise_kept_output(x, w, b, *args, kept, out=kept.kept.view(-1))
+    finally:
+        torch.set_num_threads(before)
+    other = cpu_steps.depthwise_prepare(x, target, *args, blocked=not blocked)
+    with pytest.raises(ValueError, match="blocked"):
+        cpu_steps.depthwise_direct(x, torch.tensor([0]), w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
+                                   prepared=other, kept=kept)
+
 def test_direct_loss_value_of_a_depthwise_layer_equals_the_forward_path():
     """DirectLayerLoss.value of a depthwise layer (one C call, no output written out) is the loss of its forward
     through the clamp over the samples, as _rec_loss computes it."""

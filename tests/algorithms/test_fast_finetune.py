@@ -1838,6 +1838,55 @@ def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fuse
     assert torch.equal(x, x0) and torch.equal(target, t0)
 
 
+
+@pytest.mark.parametrize("width", [32, 12], ids=["planes", "channel_blocks"])
+def test_direct_loss_keeps_depthwise_planes_with_the_same_bits(monkeypatch, width):
+    """DirectLayerLoss(incremental=True) on a depthwise Conv2d keeps every sample's output planes (kept_depthwise):
+    its loss before, gradients over steps that move a few taps and the bias, and its kept output are the plain
+    direct loss's bit for bit (a kept plane plus the bias is the forward's float), on the plane layout and the
+    channel-blocked one; the loss then forgets the planes; DEPTHWISE_KEPT=False keeps none; input and target
+    unchanged."""
+    from qtorch_onnx.algorithms import cpu_steps, reconstruction
+    from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss, activation_clamp
+    from qtorch_onnx.lift.ops_math import OnnxClip
+
+    if not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    gen = torch.Generator().manual_seed(8)
+    m = torch.nn.Conv2d(20, 20, 3, padding=1, groups=20)
+    x = torch.randn(6, 20, 10, width, generator=gen)
+    clamp = activation_clamp(OnnxClip(0.0, 6.0, baked=True))
+    with torch.no_grad():
+        target = (m(x).clamp(0.0, 6.0) + 0.05 * torch.randn(6, 20, 10, width, generator=gen)).contiguous()
+    x0, t0 = x.clone(), target.clone()
+    bias = m.bias.detach().clone()
+    kept = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    plain = DirectLayerLoss(m, x, target, clamp, bias)
+    assert kept.kept_depthwise and not plain.kept_depthwise and kept.depthwise
+    assert kept.value() == plain.value()  # the loss before: every plane computed and kept
+    w, b = m.weight.detach().clone(), bias.clone()
+    for step in range(5):
+        w[(3 * step) % 20, 0, 1, 1] += 0.02 * (step % 3)  # (no change on steps 0 and 3)
+        b += 1e-3
+        idx = [step % 6, (step + 3) % 6]
+        gi, gbi, li = kept.gradient(idx, w, 0.5, bias=b)
+        gp, gbp, lp = plain.gradient(idx, w, 0.5, bias=b)
+        assert float(li) == float(lp)
+        assert torch.equal(gi.view(torch.int32), gp.view(torch.int32))
+        assert torch.equal(gbi.view(torch.int32), gbp.view(torch.int32))
+    with torch.no_grad():
+        m.weight.copy_(w)
+        m.bias.copy_(b)
+    out = kept.kept_output()
+    assert kept._dwk is None  # forgotten: a later call computes the planes again
+    assert torch.equal(out.clamp(0.0, 6.0).view(torch.int32), plain.output(range(6)).view(torch.int32))
+    want = cpu_steps.depthwise_forward(x, torch.arange(6), w.contiguous(), b, (3, 3), (1, 1), (1, 1))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert kept.value() == plain.value()
+    assert torch.equal(x, x0) and torch.equal(target, t0)
+    monkeypatch.setattr(reconstruction, "DEPTHWISE_KEPT", False)
+    assert not DirectLayerLoss(m, x, target, clamp, bias, incremental=True).kept_depthwise
+
 def test_unfolded_conv_trains_as_a_kept_1x1_of_its_columns():
     """A Conv2d with few input channels (a stem: 3 -> 16, 3x3 stride 2, padding 1) under AdaQuant's incremental loss
     is trained as a 1x1 convolution of its unfolded input: its loss, gradients and kept outputs are the plain direct
@@ -2004,6 +2053,43 @@ def test_float_pass_reads_a_zero_pad_through_the_depthwise_kernel(monkeypatch, a
     assert not used
     assert results[True] == results[False]
 
+
+
+def test_adaquant_with_kept_depthwise_planes_exports_the_same_bytes(monkeypatch):
+    """AdaQuant through a depthwise layer with its output planes kept between iterations (DEPTHWISE_KEPT, the route
+    taken: its note and the kept output read for the staged pass) exports the same bytes and reports the same layer
+    losses as with every iteration's forward computed."""
+    import importlib
+
+    from qtorch_onnx.algorithms import cpu_steps
+
+    if not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    rc = importlib.import_module("qtorch_onnx.algorithms.reconstruction")
+    rng = np.random.default_rng(5)
+    data = [{"input": rng.normal(0, 1, (1, 4, 56, 56)).astype(np.float32)} for _ in range(8)]
+    outputs = []
+    orig = cpu_steps.depthwise_kept_output
+
+    def spy(*a, **k):
+        y = orig(*a, **k)
+        outputs.append(tuple(y.shape))
+        return y
+
+    monkeypatch.setattr(cpu_steps, "depthwise_kept_output", spy)
+    results = {}
+    for keep in (True, False):
+        monkeypatch.setattr(rc, "DEPTHWISE_KEPT", keep)
+        qm = _prepared("A8W8", _pad_depthwise_model(), data)
+        fast_finetune(qm, data, algorithm="adaquant", num_iterations=8, batch_size=2, progress=False)
+        layers = qm.finetune_report.layers
+        results[keep] = (qo.export(qm, None).SerializeToString(),
+                         [(r.name, r.loss_before, r.loss_after, r.kept) for r in layers])
+        notes = " ".join(r.note for r in layers)
+        assert ("output planes kept" in notes) == keep
+        assert outputs == ([(8, 8, 28, 28)] if keep else []), outputs
+        outputs.clear()
+    assert results[True] == results[False]
 
 def test_zero_pad_hw_takes_only_zero_padding_of_the_plane():
     """reconstruction._zero_pad_hw: (top, left, bottom, right) of a constant +0.0 Pad of the last two axes; None for
