@@ -1779,6 +1779,14 @@ void qt_depthwise_phase_prepare(int64_t p0, int64_t p1, const float *x, int64_t 
 static inline int dw_kept_stale(const uint8_t *valid, const float *kwts, int64_t p, const float *wc, int64_t k) {
     return !valid[p] || __builtin_memcmp(kwts + p * k, wc, (size_t)k * sizeof(float)) != 0;
 }
+/* kept plane p computed again from its phases pp (the forward with bias 0) for the channel's weight wc, kwts and valid
+ * updated */
+static void dw_kept_fill(float *kept, float *kwts, uint8_t *valid, int64_t p, const float *pp, int64_t wq, int64_t k,
+                         const int64_t *off, int64_t sh, int64_t ho, int64_t wo, const float *wc) {
+    dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * ho * wo);
+    __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
+    valid[p] = 1;
+}
 /* out[q] = kp[q] + (0 + bias) for the plane's len floats: the fresh forward's last addition (DW_BIAS_LAST); out may be
  * kp itself */
 static void dw_add_bias(int64_t len, const float *kp, float bias, float *out) {
@@ -1816,11 +1824,8 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
             else if (kept == NULL || stale || gw != NULL) /* (a kept plane's loss alone reads no phases) */
                 phase_plane(x + p * h * w, h, w, ph, pw, hp, sw, wq, scratch);
             if (kept != NULL) {
-                if (stale) {
-                    dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * len);
-                    __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
-                    valid[p] = 1;
-                }
+                if (stale)
+                    dw_kept_fill(kept, kwts, valid, p, pp, wq, k, off, sh, ho, wo, wc);
                 dw_add_bias(len, kept + p * len, bias ? bias[ch] : 0.0f, plane);
             } else
                 dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, bias ? bias[ch] : 0.0f, plane);
@@ -1870,9 +1875,7 @@ void qt_depthwise_kept_output(int64_t c0, int64_t c1, int64_t c, int64_t nn, con
                     pp = phases + p * phased;
                 else
                     phase_plane(x + p * h * w, h, w, ph, pw, hp, sw, wq, scratch);
-                dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * len);
-                __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
-                valid[p] = 1;
+                dw_kept_fill(kept, kwts, valid, p, pp, wq, k, off, sh, ho, wo, wc);
             }
             dw_add_bias(len, kept + p * len, bias ? bias[ch] : 0.0f, out + p * len);
         }
@@ -2199,6 +2202,38 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * ([N][ceil(c / GB)]) is 1: a block whose weights have other bits is computed again (every lane: the lanes whose
  * weights did not change get their kept floats again), and the output is the kept block plus the bias. */
 static const float zero16[GB] = {0};
+/* the channel-blocked kernels' tap offsets in an interleaved padded plane (wp columns of GB floats) */
+static void dwb_offsets(int64_t kh, int64_t kw, int64_t wp, int64_t *off) {
+    for (int64_t a = 0; a < kh; a++)
+        for (int64_t b = 0; b < kw; b++)
+            off[a * kw + b] = (a * wp + b) * GB;
+}
+/* block q's weights interleaved (wb: k x GB, zeros past the cn channels) and its biases as 0 + bias (bb: GB) */
+static void dwb_block_weights(const float *weight, const float *bias, int64_t k, int64_t c0, int64_t cn, float *wb,
+                              float *bb) {
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t t = 0; t < GB; t++)
+            wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
+    for (int64_t t = 0; t < GB; t++)
+        bb[t] = (bias != NULL && t < cn) ? 0.0f + bias[c0 + t] : 0.0f; /* (+0 for -0: DW_BIAS_LAST) */
+}
+/* whether kept block pq is out of date with the block weights wb (not valid, or kwts' copy has other bits) */
+static inline int dwb_kept_stale(const uint8_t *valid, const float *kwts, int64_t pq, const float *wb, int64_t k) {
+    return !valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0;
+}
+/* kept block pq (kept + pq ho wo GB) brought up to date with the block weights wb: computed again from the interleaved
+ * planes xb when stale (dwb_kept_stale; kwts and valid then updated) */
+static float *dwb_kept_block(float *kept, float *kwts, uint8_t *valid, int64_t pq, const float *wb, int64_t k,
+                             int64_t len, const float *xb, const int64_t *off, int64_t sh, int64_t wp, int64_t step,
+                             int64_t ho, int64_t wo) {
+    float *kb = kept + pq * len * GB;
+    if (dwb_kept_stale(valid, kwts, pq, wb, k)) {
+        dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
+        __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
+        valid[pq] = 1;
+    }
+    return kb;
+}
 void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, const int64_t *idx, const float *x,
                                  int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh,
                                  int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
@@ -2208,20 +2243,14 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
     int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
     int64_t nblk = (c + GB - 1) / GB;
     int64_t off[k];
-    for (int64_t a = 0; a < kh; a++)
-        for (int64_t b = 0; b < kw; b++)
-            off[a * kw + b] = (a * wp + b) * GB;
+    dwb_offsets(kh, kw, wp, off);
     if (xs_all == NULL)
         __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
     double *gtot = tot, *ssel = tot + k * GB, *gsl = ssel + GB;
     for (int64_t q = q0; q < q1; q++) {
         int64_t c0 = q * GB, cn = c - c0 < GB ? c - c0 : GB;
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t t = 0; t < GB; t++)
-                wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
         float bb[GB];
-        for (int64_t t = 0; t < GB; t++)
-            bb[t] = (bias != NULL && t < cn) ? 0.0f + bias[c0 + t] : 0.0f; /* (+0 for -0: DW_BIAS_LAST) */
+        dwb_block_weights(weight, bias, k, c0, cn, wb, bb);
         for (int64_t j = 0; j < (k + 2) * GB; j++)
             tot[j] = 0.0;
         for (int64_t b = 0; b < nb; b++) {
@@ -2236,13 +2265,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
             if (kept != NULL) {
-                int64_t pq = idx[b] * nblk + q;
-                float *kb = kept + pq * len * GB;
-                if (!valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0) {
-                    dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
-                    __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
-                    valid[pq] = 1;
-                }
+                const float *kb = dwb_kept_block(kept, kwts, valid, idx[b] * nblk + q, wb, k, len, xb, off, sh, wp,
+                                                 step, ho, wo);
                 for (int64_t j = 0; j < len; j++)
                     for (int64_t t = 0; t < GB; t++)
                         prow[j * GB + t] = kb[j * GB + t] + bb[t];
@@ -2287,35 +2311,24 @@ void qt_depthwise_kept_output_blocked(int64_t q0, int64_t q1, int64_t c, int64_t
     int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
     int64_t nblk = (c + GB - 1) / GB;
     int64_t off[k];
-    for (int64_t a = 0; a < kh; a++)
-        for (int64_t b = 0; b < kw; b++)
-            off[a * kw + b] = (a * wp + b) * GB;
+    dwb_offsets(kh, kw, wp, off);
     if (xs_all == NULL)
         __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
     for (int64_t q = q0; q < q1; q++) {
         int64_t c0 = q * GB, cn = c - c0 < GB ? c - c0 : GB;
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t t = 0; t < GB; t++)
-                wb[i * GB + t] = t < cn ? weight[(c0 + t) * k + i] : 0.0f;
         float bb[GB];
-        for (int64_t t = 0; t < GB; t++)
-            bb[t] = (bias != NULL && t < cn) ? 0.0f + bias[c0 + t] : 0.0f;
+        dwb_block_weights(weight, bias, k, c0, cn, wb, bb);
         for (int64_t n = 0; n < nn; n++) {
             int64_t pq = n * nblk + q;
-            float *kb = kept + pq * len * GB;
-            if (!valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0) {
-                const float *xb = xs;
-                if (xs_all != NULL)
-                    xb = xs_all + pq * hp * wp * GB;
-                else {
-                    const float *src = x + (n * c + c0) * plane;
-                    for (int64_t r = 0; r < h; r++)
-                        interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
-                }
-                dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
-                __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
-                valid[pq] = 1;
+            const float *xb = xs;
+            if (xs_all != NULL)
+                xb = xs_all + pq * hp * wp * GB;
+            else if (dwb_kept_stale(valid, kwts, pq, wb, k)) {
+                const float *src = x + (n * c + c0) * plane; /* (the planes only for a block to compute again) */
+                for (int64_t r = 0; r < h; r++)
+                    interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
             }
+            const float *kb = dwb_kept_block(kept, kwts, valid, pq, wb, k, len, xb, off, sh, wp, step, ho, wo);
             for (int64_t t = 0; t < cn; t++) {
                 float *o = out + (n * c + c0 + t) * len;
                 for (int64_t j = 0; j < len; j++)
