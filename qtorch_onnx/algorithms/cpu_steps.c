@@ -1406,14 +1406,16 @@ static inline void store_n(float *p, vf v, int64_t n) {
 }
 #endif
 
-/* DW_BIAS_LAST: every depthwise forward (these, the AVX2 forms and the channel-blocked ones) sums its taps from +0, a
- * multiply-add per tap in tap order, and adds the bias last, as B = 0 + bias (+0 for a -0 bias): out = S + B. So an
- * output kept without its bias (computed with bias 0: S + 0) and given its bias later, (S + 0) + B, is the fresh
- * output's float (B is never -0, so the sign of a zero S does not matter): AdaQuant's kept depthwise outputs
- * (qt_depthwise_direct's `kept`) are the same bits as a fresh forward. */
+/* DW_BIAS_LAST: every depthwise forward (these, the AVX2 forms and the channel-blocked ones) starts its sum from
+ * `init`, a multiply-add per tap in tap order, and stores it plus `post`: out = (init + taps) + post. The bias goes
+ * first by default (init = 0 + bias, post = 0: the sum never is -0 from +0, so + 0 changes nothing) or, with `last`,
+ * last (init = 0, post = B = 0 + bias, +0 for a -0 bias). Last, an output kept without its bias (bias 0: S + 0) and
+ * given its bias later, (S + 0) + B, is the fresh output's float (B is never -0, so the sign of a zero S does not
+ * matter): AdaQuant's kept depthwise planes (qt_depthwise_direct's `kept`) train on the bias-last forward, the same
+ * bits as computing it fresh; everything else keeps the bias-first floats. */
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dw_forward8_* below) */
-/* one plane's output: out[y][x] = sum_i w[i] xpad[sh y + a_i][sw x + b_i] + bias (DW_BIAS_LAST), the taps i = a kw + b
- * accumulated in order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
+/* one plane's output: out[y][x] = (init + sum_i w[i] xpad[sh y + a_i][sw x + b_i]) + post (DW_BIAS_LAST), the taps
+ * i = a kw + b accumulated in order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
  * the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left to itself GCC
  * vectorizes across the taps with gathers. With 9 taps their broadcast weights and offsets sit in registers for the
  * plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side (independent
@@ -1422,8 +1424,7 @@ static inline void store_n(float *p, vf v, int64_t n) {
 /* the 9-tap kernel, its weights and offsets in arrays of exactly 9 entries (arrays sized for the largest tap count
  * stayed in memory) */
 static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
-                          int64_t wo, const float *restrict w, float bias, float *restrict out) {
-    const float bn = 0.0f + bias; /* (+0 for a -0 bias: DW_BIAS_LAST) */
+                          int64_t wo, const float *restrict w, float init, float post, float *restrict out) {
     vf wv[9];
     int64_t o[9];
     for (int i = 0; i < 9; i++) {
@@ -1432,35 +1433,35 @@ static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *r
     }
     for (int64_t y = 0; y < ho; y++)
         for (int64_t x0 = 0; x0 < wo; x0 += VL) {
-            vf acc = (vf){0};
+            vf acc = (vf){0} + init;
             const float *row = pp + sh * y * wq + x0;
             for (int i = 0; i < 9; i++)
                 acc += wv[i] * loadu(row + o[i]);
-            store_n(out + y * wo + x0, acc + bn, wo - x0 < VL ? wo - x0 : VL);
+            store_n(out + y * wo + x0, acc + post, wo - x0 < VL ? wo - x0 : VL);
         }
 }
 
 /* ... any k: the weights and offsets read as they are needed */
 static void dw_forward_any(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,
-                           int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {
-    const float bn = 0.0f + bias;
+                           int64_t ho, int64_t wo, const float *restrict w, float init, float post,
+                           float *restrict out) {
     for (int64_t y = 0; y < ho; y++) {
         const float *row = pp + sh * y * wq;
         int64_t x0 = 0;
         for (; x0 + VL < wo; x0 += 2 * VL) {
-            vf acc = (vf){0}, acc2 = acc;
+            vf acc = (vf){0} + init, acc2 = acc;
             for (int64_t i = 0; i < k; i++) {
                 acc += w[i] * loadu(row + x0 + off[i]);
                 acc2 += w[i] * loadu(row + x0 + VL + off[i]);
             }
-            store_n(out + y * wo + x0, acc + bn, VL);
-            store_n(out + y * wo + x0 + VL, acc2 + bn, wo - x0 - VL < VL ? wo - x0 - VL : VL);
+            store_n(out + y * wo + x0, acc + post, VL);
+            store_n(out + y * wo + x0 + VL, acc2 + post, wo - x0 - VL < VL ? wo - x0 - VL : VL);
         }
         if (x0 < wo) {
-            vf acc = (vf){0};
+            vf acc = (vf){0} + init;
             for (int64_t i = 0; i < k; i++)
                 acc += w[i] * loadu(row + x0 + off[i]);
-            store_n(out + y * wo + x0, acc + bn, wo - x0);
+            store_n(out + y * wo + x0, acc + post, wo - x0);
         }
     }
 }
@@ -1599,20 +1600,19 @@ static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The forward on AVX2: blocks of eight output columns (one 256-bit vector), four blocks side by side in the plane's
  * block order (y, x0), rows mixed, so that even a 7- or 14-wide plane keeps four independent chains of multiply-adds;
- * each block's lanes get dw_forward_k9's / dw_forward_any's operations in their order (from +0 a multiply-add
- * per tap with the weight as those take it: plus 0 for 9 taps, as it is otherwise; then the bias plus 0), so the same
- * floats.
+ * each block's lanes get dw_forward_k9's / dw_forward_any's operations in their order (from init a multiply-add
+ * per tap with the weight as those take it: plus 0 for 9 taps, as it is otherwise; then post), so the same floats.
  * The sixteen-lane forms spilled on AVX2: their accumulators and weights went through the stack in 8-byte pieces
  * every tap (0.9 GMAC/s on 5x5 kernels). A block reads up to 7 columns past the row's last output, as the
  * sixteen-lane form reads up to 15; those lanes are not stored. */
 #define DW_FWD8_BLOCK(j)                                                                                               \
     const float *in##j = pp + sh * (bq##j / nbx) * wq + 8 * (bq##j % nbx);                                           \
-    vf8 a##j = (vf8){0}
+    vf8 a##j = iv
 #define DW_FWD8_STORE(j)                                                                                               \
     do {                                                                                                               \
         int64_t y_ = bq##j / nbx, x_ = 8 * (bq##j % nbx), n_ = wo - x_ < 8 ? wo - x_ : 8;                              \
         float *o_ = out + y_ * wo + x_;                                                                                \
-        const vf8 s_ = a##j + bv;                                                                                      \
+        const vf8 s_ = a##j + pv;                                                                                      \
         if (n_ == 8)                                                                                                   \
             __builtin_memcpy(o_, &s_, sizeof s_);                                                                      \
         else                                                                                                           \
@@ -1621,8 +1621,9 @@ static void dw_wgrad_any(const float *restrict pp, int64_t wq, int64_t k, const 
     } while (0)
 #define DW_FORWARD8(NAME, KK, WEIGHT)                                                                                  \
     static void NAME(const float *restrict pp, int64_t wq, int64_t k, const int64_t *restrict off, int64_t sh,      \
-                     int64_t ho, int64_t wo, const float *restrict w, float bias, float *restrict out) {              \
-        const vf8 bv = (vf8){0} + bias;                                                                                \
+                     int64_t ho, int64_t wo, const float *restrict w, float init, float post,                       \
+                     float *restrict out) {                                                                            \
+        const vf8 iv = (vf8){0} + init, pv = (vf8){0} + post;                                                          \
         const int64_t nbx = (wo + 7) / 8, nblk = ho * nbx;                                                             \
         int64_t q = 0;                                                                                                 \
         for (; q + 4 <= nblk; q += 4) {                                                                                \
@@ -1666,19 +1667,20 @@ DW_FORWARD8(dw_forward8_any, k, bcast8(w[i]))
  * lanes in registers) */
 __attribute__((noinline)) static void dw_forward_plane(const float *pp, int64_t wq, int64_t k, const int64_t *off,
                                                       int64_t sh, int64_t ho, int64_t wo, const float *w, float bias,
-                                                      float *out) {
+                                                      int last, float *out) {
+    const float init = last ? 0.0f : 0.0f + bias, post = last ? 0.0f + bias : 0.0f; /* DW_BIAS_LAST */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     if (k == 9)
-        dw_forward8_k9(pp, wq, k, off, sh, ho, wo, w, bias, out);
+        dw_forward8_k9(pp, wq, k, off, sh, ho, wo, w, init, post, out);
     else if (k == 25)
-        dw_forward8_k25(pp, wq, k, off, sh, ho, wo, w, bias, out);
+        dw_forward8_k25(pp, wq, k, off, sh, ho, wo, w, init, post, out);
     else
-        dw_forward8_any(pp, wq, k, off, sh, ho, wo, w, bias, out);
+        dw_forward8_any(pp, wq, k, off, sh, ho, wo, w, init, post, out);
 #else
     if (k == 9)
-        dw_forward_k9(pp, wq, off, sh, ho, wo, w, bias, out);
+        dw_forward_k9(pp, wq, off, sh, ho, wo, w, init, post, out);
     else
-        dw_forward_any(pp, wq, k, off, sh, ho, wo, w, bias, out);
+        dw_forward_any(pp, wq, k, off, sh, ho, wo, w, init, post, out);
 #endif
 }
 
@@ -1705,18 +1707,20 @@ static void tap_offsets(int64_t kh, int64_t kw, int64_t sw, int64_t hp, int64_t 
  * bias: [c] or NULL. scratch: sw hp wq + VL floats, hp = h + 2 ph, wq = ceil((w + 2 pw) / sw), the last VL zero. */
 /* qt_depthwise_forward with the zero padding given side by side: pt rows above, pl columns left, pb rows below and
  * pr columns right of each plane (an ONNX Pad's asymmetric padding read straight from the unpadded planes): the same
- * scratch, so the same bits, as qt_depthwise_forward on the planes padded beforehand */
+ * scratch, so the same bits, as qt_depthwise_forward on the planes padded beforehand; last: the bias after the taps
+ * (DW_BIAS_LAST) */
 void qt_depthwise_forward_pads(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h,
                                int64_t w, int64_t pt, int64_t pl, int64_t pb, int64_t pr, int64_t kh, int64_t kw,
                                int64_t sh, int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
-                               float *out, float *scratch) {
+                               float *out, float *scratch, int64_t last) {
     int64_t hp = h + pt + pb, wq = (w + pl + pr + sw - 1) / sw, k = kh * kw;
     int64_t off[k];
     tap_offsets(kh, kw, sw, hp, wq, off);
     for (int64_t p = p0; p < p1; p++) {
         int64_t b = p / c, ch = p % c;
         phase_plane(x + (idx[b] * c + ch) * h * w, h, w, pt, pl, hp, sw, wq, scratch);
-        dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, out + p * ho * wo);
+        dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, (int)last,
+                         out + p * ho * wo);
     }
 }
 
@@ -1724,7 +1728,7 @@ void qt_depthwise_forward(int64_t p0, int64_t p1, int64_t c, const int64_t *idx,
                           int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                           int64_t wo, const float *weight, const float *bias, float *out, float *scratch) {
     qt_depthwise_forward_pads(p0, p1, c, idx, x, h, w, ph, pw, ph, pw, kh, kw, sh, sw, ho, wo, weight, bias, out,
-                              scratch);
+                              scratch, 0);
 }
 
 /* Its weight gradient for the output gradient g ([nb, c, ho, wo]): gw[ch] (kh kw floats) for channels ch in [c0, c1),
@@ -1771,7 +1775,8 @@ void qt_depthwise_phase_prepare(int64_t p0, int64_t p1, const float *x, int64_t 
  * and tot as qt_depthwise_wgrad's. phases: every plane of x already split into its phases, [N][c][sw hp wq + VL]
  * (phase_plane's layout, its last VL floats zero; qt_depthwise_phase_prepare), read instead of phase_plane per call
  * (the same values: the same bits), or NULL.
- * kept (AdaQuant's kept outputs, or NULL): every sample's planes of the output without the bias, [N][c][ho wo]
+ * last: the bias added after the taps instead of before them (DW_BIAS_LAST).
+ * kept (AdaQuant's kept outputs, or NULL; with last): every sample's planes of the output without the bias, [N][c][ho wo]
  * (DW_BIAS_LAST), for the weights kwts ([N][c][kh kw]) they were computed with where valid ([N][c]) is 1: a plane
  * whose channel's weight has other bits, or that is not valid, is computed again (and kwts, valid updated); the
  * output is then the kept plane plus the bias instead of a forward: the same floats (DW_BIAS_LAST). */
@@ -1783,7 +1788,7 @@ static inline int dw_kept_stale(const uint8_t *valid, const float *kwts, int64_t
  * updated */
 static void dw_kept_fill(float *kept, float *kwts, uint8_t *valid, int64_t p, const float *pp, int64_t wq, int64_t k,
                          const int64_t *off, int64_t sh, int64_t ho, int64_t wo, const float *wc) {
-    dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, kept + p * ho * wo);
+    dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, 0.0f, 1, kept + p * ho * wo);
     __builtin_memcpy(kwts + p * k, wc, (size_t)k * sizeof(float));
     valid[p] = 1;
 }
@@ -1805,7 +1810,8 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
                          int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                          int64_t wo, const float *weight, const float *bias, const float *target, float lo, float hi,
                          float wlo, float whi, float gscale, float *gw, float *gb, double *sse, float *scratch,
-                         float *plane, double *tot, const float *phases, float *kept, float *kwts, uint8_t *valid) {
+                         float *plane, double *tot, const float *phases, int64_t last, float *kept, float *kwts,
+                         uint8_t *valid) {
     int64_t hp = h + 2 * ph, wq = (w + 2 * pw + sw - 1) / sw, k = kh * kw, len = ho * wo;
     int64_t phased = sw * hp * wq + VL; /* floats per plane of `phases` */
     int64_t off[k];
@@ -1828,7 +1834,7 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
                     dw_kept_fill(kept, kwts, valid, p, pp, wq, k, off, sh, ho, wo, wc);
                 dw_add_bias(len, kept + p * len, bias ? bias[ch] : 0.0f, plane);
             } else
-                dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, bias ? bias[ch] : 0.0f, plane);
+                dw_forward_plane(pp, wq, k, off, sh, ho, wo, wc, bias ? bias[ch] : 0.0f, (int)last, plane);
             total += act_residual_row(len, plane, target + p * len, lo, hi, wlo, whi, gscale, sse != NULL);
             if (gw != NULL)
                 dw_wgrad_plane(pp, wq, k, off, sh, ho, wo, plane, tot);
@@ -1855,7 +1861,7 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
 
 /* The kept outputs (qt_depthwise_direct's kept, kwts, valid) of every sample n in [0, nn) for channels ch in [c0, c1),
  * brought up to date with `weight` (planes out of date computed again), plus the bias, into out ([nn][c][ho wo]; may be
- * kept itself): the layer's output, the same floats as qt_depthwise_forward's (DW_BIAS_LAST). scratch, phases as
+ * kept itself): the layer's output, the same floats as qt_depthwise_forward_pads' with last (DW_BIAS_LAST). scratch, phases as
  * qt_depthwise_direct's. */
 void qt_depthwise_kept_output(int64_t c0, int64_t c1, int64_t c, int64_t nn, const float *x, int64_t h, int64_t w,
                               int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
@@ -1924,13 +1930,13 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
 }
 
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dwb8_plane_* below) */
-/* one output row of the channel-blocked forward: prow[xx GB + t] = sum_i w_i xs(xx step + off_i) + bias (DW_BIAS_LAST;
- * bias16 holds 0 + bias per lane), the taps in order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
+/* one output row of the channel-blocked forward: prow[xx GB + t] = (iv + sum_i w_i xs(xx step + off_i)) + pv (DW_BIAS_LAST:
+ * the bias in iv or in pv per lane), the taps in order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
  * multiply-adds (one chain waits on each multiply-add's latency, 4 cycles); K taps as a constant keeps the weights in
  * registers. */
 #define DWB_FORWARD(NAME, K, P)                                                                                        \
     static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t step, int64_t wo,     \
-                     const float *restrict wb, vf bv, float *restrict prow) {                                         \
+                     const float *restrict wb, vf iv, vf pv, float *restrict prow) {                                  \
         vf wv[K];                                                                                                      \
         int64_t o[K];                                                                                                  \
         for (int64_t i = 0; i < (K); i++) {                                                                            \
@@ -1941,28 +1947,28 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
         for (; xx + (P) <= wo; xx += (P)) {                                                                            \
             const float *base = xs + xx * step;                                                                        \
             vf acc[P];                                                                                                 \
-            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] = (vf){0};                                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] = iv;                                        \
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++)                                                 \
                 _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) acc[j] += wv[i] * loadu(base + j * step + o[i]); \
             _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++)                                                      \
-                storeu(prow + (xx + j) * GB, acc[j] + bv);                                                             \
+                storeu(prow + (xx + j) * GB, acc[j] + pv);                                                             \
         }                                                                                                              \
         for (; xx < wo; xx++) {                                                                                        \
             const float *base = xs + xx * step;                                                                        \
-            vf acc = (vf){0};                                                                                          \
+            vf acc = iv;                                                                                               \
             _Pragma("GCC unroll 25") for (int64_t i = 0; i < (K); i++) acc += wv[i] * loadu(base + o[i]);             \
-            storeu(prow + xx * GB, acc + bv);                                                                          \
+            storeu(prow + xx * GB, acc + pv);                                                                          \
         }                                                                                                              \
         (void)k;                                                                                                       \
     }
 DWB_FORWARD(dwb_forward_k9, 9, 8)
 DWB_FORWARD(dwb_forward_k25, 25, 4)
 static void dwb_forward_any(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t step, int64_t wo,
-                            const float *restrict wb, vf bv, float *restrict prow) {
+                            const float *restrict wb, vf iv, vf pv, float *restrict prow) {
     int64_t xx = 0;
     for (; xx + 4 <= wo; xx += 4) {
         const float *base = xs + xx * step;
-        vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
+        vf a0 = iv, a1 = iv, a2 = iv, a3 = iv;
         for (int64_t i = 0; i < k; i++) {
             vf wv = loadu(wb + i * GB);
             a0 += wv * loadu(base + off[i]);
@@ -1970,17 +1976,17 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
             a2 += wv * loadu(base + 2 * step + off[i]);
             a3 += wv * loadu(base + 3 * step + off[i]);
         }
-        storeu(prow + xx * GB, a0 + bv);
-        storeu(prow + (xx + 1) * GB, a1 + bv);
-        storeu(prow + (xx + 2) * GB, a2 + bv);
-        storeu(prow + (xx + 3) * GB, a3 + bv);
+        storeu(prow + xx * GB, a0 + pv);
+        storeu(prow + (xx + 1) * GB, a1 + pv);
+        storeu(prow + (xx + 2) * GB, a2 + pv);
+        storeu(prow + (xx + 3) * GB, a3 + pv);
     }
     for (; xx < wo; xx++) {
         const float *base = xs + xx * step;
-        vf acc = (vf){0};
+        vf acc = iv;
         for (int64_t i = 0; i < k; i++)
             acc += loadu(wb + i * GB) * loadu(base + off[i]);
-        storeu(prow + xx * GB, acc + bv);
+        storeu(prow + xx * GB, acc + pv);
     }
 }
 
@@ -1989,19 +1995,20 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The channel-blocked forward of a whole plane on AVX2: each 8-channel half of the block on its own (one 256-bit
  * vector), DWB8_P positions side by side across rows (independent chains of multiply-adds even on a 7-wide plane),
- * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (from +0 a
- * multiply-add per tap in tap order, then the bias), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
+ * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (from init a
+ * multiply-add per tap in tap order, then post), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
  * twenty-five weights and eight accumulators are two registers each (522 of 943 instructions of dwb_forward_k9 went
  * through the stack). */
 #define DWB8_P 8
 #define DWB8_PLANE(NAME, KK)                                                                                           \
     static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t sh, int64_t wp,       \
-                     int64_t step, int64_t ho, int64_t wo, const float *restrict wb, const float *restrict bias16,    \
-                     float *restrict prow) {                                                                           \
+                     int64_t step, int64_t ho, int64_t wo, const float *restrict wb, const float *restrict init16,    \
+                     const float *restrict post16, float *restrict prow) {                                             \
         const int64_t len = ho * wo;                                                                                   \
         for (int64_t hf = 0; hf < GB; hf += 8) {                                                                       \
-            vf8 bv;                                                                                                    \
-            __builtin_memcpy(&bv, bias16 + hf, sizeof bv);                                                             \
+            vf8 iv, bv;                                                                                                \
+            __builtin_memcpy(&iv, init16 + hf, sizeof iv);                                                             \
+            __builtin_memcpy(&bv, post16 + hf, sizeof bv);                                                             \
             int64_t q = 0;                                                                                             \
             for (; q + DWB8_P <= len; q += DWB8_P) {                                                                   \
                 const float *in[DWB8_P];                                                                               \
@@ -2009,7 +2016,7 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
                 _Pragma("GCC unroll 8") for (int j = 0; j < DWB8_P; j++) {                                             \
                     int64_t y = (q + j) / wo, xx = (q + j) % wo;                                                       \
                     in[j] = xs + sh * y * wp * GB + xx * step + hf;                                                    \
-                    a[j] = (vf8){0};                                                                                   \
+                    a[j] = iv;                                                                                         \
                 }                                                                                                      \
                 for (int64_t i = 0; i < (KK); i++) {                                                                   \
                     vf8 w;                                                                                             \
@@ -2029,7 +2036,7 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
             for (; q < len; q++) {                                                                                     \
                 int64_t y = q / wo, xx = q % wo;                                                                       \
                 const float *in0 = xs + sh * y * wp * GB + xx * step + hf;                                             \
-                vf8 a0 = (vf8){0};                                                                                     \
+                vf8 a0 = iv;                                                                                           \
                 for (int64_t i = 0; i < (KK); i++) {                                                                   \
                     vf8 w, t;                                                                                          \
                     __builtin_memcpy(&w, wb + i * GB + hf, sizeof w);                                                  \
@@ -2152,16 +2159,21 @@ __attribute__((noinline)) static void dwb_wgrad_taps(int64_t n, const float *xs,
  * else the sixteen-lane forms row by row; the same floats either way */
 static void dwb_forward_plane(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t sh, int64_t wp,
                               int64_t step, int64_t ho, int64_t wo, const float *restrict wb,
-                              const float *restrict bias16, float *restrict prow) {
+                              const float *restrict bias16, int last, float *restrict prow) {
+    float init16[GB], post16[GB]; /* DW_BIAS_LAST: bias16 (0 + bias per lane) first or last */
+    for (int64_t t = 0; t < GB; t++) {
+        init16[t] = last ? 0.0f : bias16[t];
+        post16[t] = last ? bias16[t] : 0.0f;
+    }
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     (k == 9 ? dwb8_plane_k9 : (k == 25 ? dwb8_plane_k25 : dwb8_plane_any))(xs, off, k, sh, wp, step, ho, wo, wb,
-                                                                           bias16, prow);
+                                                                           init16, post16, prow);
 #else
-    void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, float *) =
+    void (*forward)(const float *, const int64_t *, int64_t, int64_t, int64_t, const float *, vf, vf, float *) =
         k == 9 ? dwb_forward_k9 : (k == 25 ? dwb_forward_k25 : dwb_forward_any);
-    vf bv = loadu(bias16);
+    vf iv = loadu(init16), pv = loadu(post16);
     for (int64_t y = 0; y < ho; y++)
-        forward(xs + sh * y * wp * GB, off, k, step, wo, wb, bv, prow + y * wo * GB);
+        forward(xs + sh * y * wp * GB, off, k, step, wo, wb, iv, pv, prow + y * wo * GB);
 #endif
 }
 
@@ -2187,7 +2199,8 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * fills 7 of 16 lanes per plane row there, and each plane pays its own padded copy and lane sums). Per block of GB
  * channels and sample: the zero-padded planes interleaved (xs: hp wp columns of GB floats; the border zeroed once per
  * call and never written) and the block's target rows (ts: ho wo x GB); then over the plane
- *   p = sum_i w_i x(pos + o_i) + bias          dwb_forward_*: qt_depthwise_forward's floats (DW_BIAS_LAST)
+ *   p = bias + sum_i w_i x(pos + o_i)          dwb_forward_*: qt_depthwise_forward's floats (the bias last with
+ *                                              `last`: DW_BIAS_LAST)
  *   r = clamp(p, lo, hi) - target; g = gscale r m       act_residual_lanes: act_residual_row's floats
  *   gw_i += g x(pos + o_i)                     one float32 vector per tap over the plane, then float64 per channel
  *   gb += g, sse += r^2                        float64 per channel, in position order
@@ -2197,7 +2210,7 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * gb NULL: no bias gradient. xs_all / ts_all (both or neither): every sample's planes and target rows already in
  * that layout, [N][ceil(c / GB)][hp wp GB] and [N][ceil(c / GB)][ho wo GB] (qt_depthwise_blocked_prepare), read
  * instead of interleaved per call (the same values, so the same bits; xs and ts unused then).
- * kept (or NULL): qt_depthwise_direct's kept outputs in this layout, [N][ceil(c / GB)][ho wo GB] (the block's sums
+ * last: as qt_depthwise_direct's. kept (or NULL; with last): qt_depthwise_direct's kept outputs in this layout, [N][ceil(c / GB)][ho wo GB] (the block's sums
  * without the bias), for the block weights kwts ([N][ceil(c / GB)][kh kw GB], wb's layout) where valid
  * ([N][ceil(c / GB)]) is 1: a block whose weights have other bits is computed again (every lane: the lanes whose
  * weights did not change get their kept floats again), and the output is the kept block plus the bias. */
@@ -2228,7 +2241,7 @@ static float *dwb_kept_block(float *kept, float *kwts, uint8_t *valid, int64_t p
                              int64_t ho, int64_t wo) {
     float *kb = kept + pq * len * GB;
     if (dwb_kept_stale(valid, kwts, pq, wb, k)) {
-        dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, kb);
+        dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, 1, kb);
         __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
         valid[pq] = 1;
     }
@@ -2239,7 +2252,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                                  int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
                                  const float *target, float lo, float hi, float wlo, float whi, float gscale, float *gw,
                                  float *gb, double *sse, float *xs, float *ts, float *wb, float *prow, double *tot,
-                                 const float *xs_all, const float *ts_all, float *kept, float *kwts, uint8_t *valid) {
+                                 const float *xs_all, const float *ts_all, int64_t last, float *kept, float *kwts,
+                                 uint8_t *valid) {
     int64_t hp = h + 2 * ph, wp = w + 2 * pw, k = kh * kw, len = ho * wo, plane = h * w, step = sw * GB;
     int64_t nblk = (c + GB - 1) / GB;
     int64_t off[k];
@@ -2271,7 +2285,7 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                     for (int64_t t = 0; t < GB; t++)
                         prow[j * GB + t] = kb[j * GB + t] + bb[t];
             } else
-                dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, prow);
+                dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, bb, (int)last, prow);
             act_residual_lanes(len * GB, prow, tb, lo, hi, wlo, whi, gscale, sse != NULL ? ssel : NULL,
                                gb != NULL ? gsl : NULL);
             if (gw != NULL) { /* one float32 vector per tap over the plane, eight taps at a time */
@@ -2301,7 +2315,7 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
 
 /* qt_depthwise_kept_output on qt_depthwise_direct_blocked's kept blocks: for the blocks q in [q0, q1) of every sample
  * n in [0, nn), blocks out of date computed again, then the kept sums plus the bias de-interleaved into out
- * ([nn][c][ho wo]): the same floats as qt_depthwise_forward's. xs (hp wp GB floats) and wb (kh kw GB floats): scratch;
+ * ([nn][c][ho wo]): the same floats as qt_depthwise_forward_pads' with last. xs (hp wp GB floats) and wb (kh kw GB floats): scratch;
  * xs_all: the prepared planes ([N][ceil(c / GB)][hp wp GB]) or NULL. */
 void qt_depthwise_kept_output_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nn, const float *x, int64_t h,
                                       int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
@@ -2422,4 +2436,4 @@ void qt_gram_adaround_iteration(const gram_adaround_args *a) {
 }
 
 /* the library's interface version, checked at load */
-int qt_cpu_steps_version(void) { return 33; }
+int qt_cpu_steps_version(void) { return 34; }

@@ -43,7 +43,7 @@ __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_gra
 
 SOURCE = Path(__file__).resolve().parent / "cpu_steps.c"
 ENV_SWITCH = "QTORCH_ONNX_CPU_STEPS"
-_VERSION = 33
+_VERSION = 34
 #: channels per block of the depthwise Gram matrices' sums (qt_depthwise_gram_blocked; GB in cpu_steps.c)
 GRAM_BLOCK = 16
 #: weights from this many elements up are split between torch's intra-op threads
@@ -78,12 +78,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_gram_gradient.restype = ctypes.c_int
     lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
     lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
-    lib.qt_depthwise_forward_pads.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 12 + [ptr] * 4
+    lib.qt_depthwise_forward_pads.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 12 + [ptr] * 4 + [i64]
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
-        [ptr] * 10
+        [ptr] * 7 + [i64] + [ptr] * 3
     lib.qt_depthwise_direct_blocked.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + \
-        [f32] * 5 + [ptr] * 13
+        [f32] * 5 + [ptr] * 10 + [i64] + [ptr] * 3
     lib.qt_depthwise_kept_output.argtypes = [i64, i64, i64, i64, ptr] + [i64] * 10 + [ptr] * 8
     lib.qt_depthwise_kept_output_blocked.argtypes = [i64, i64, i64, i64, ptr] + [i64] * 10 + [ptr] * 9
     lib.qt_depthwise_kept_output.restype = lib.qt_depthwise_kept_output_blocked.restype = None
@@ -623,7 +623,8 @@ DIRECT_BLOCKED_MAX_WIDTH = 29
 
 
 def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      kernel, stride, padding, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      kernel, stride, padding, out: Optional[torch.Tensor] = None, bias_last: bool = False
+                      ) -> torch.Tensor:
     """A depthwise Conv2d (one output per input channel, dilation 1, zero ``padding``, ``stride``,
     ``kernel = (kh, kw)``) on the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``): the output ``[B, C, Ho, Wo]`` (float32), each plane from a zero-padded copy of its input
@@ -633,8 +634,9 @@ def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, 
     the last two axes before the convolution, read from the unpadded planes; the same bits as this function on the
     padded tensor with ``(0, 0)``). ``weight``: contiguous ``[C, 1, kh, kw]``; ``bias``: ``[C]`` or None; ``out``: a
     contiguous float32 ``[B, C, Ho, Wo]`` to write into (a buffer reused between iterations: no allocation, no page
-    faults), or None. The taps are summed in the order ``(a, b)`` with multiply-adds. Planes are split between
-    torch's threads."""
+    faults), or None. The taps are summed in the order ``(a, b)`` with multiply-adds, from the bias, or with
+    ``bias_last`` from zero and the bias added after them (``DW_BIAS_LAST`` in cpu_steps.c: the arithmetic of
+    :class:`DepthwiseKept`'s planes). Planes are split between torch's threads."""
     h, w, pt, pl, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     pb, pr = _four_pads(padding)[2:]
     b, c = idx.numel(), x.shape[1]
@@ -647,7 +649,7 @@ def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, 
     bias_c = None if bias is None else bias.contiguous()
     native.split(library().qt_depthwise_forward_pads, planes, pool,
            lambda i, a, e: (a, e, c, idx.data_ptr(), x.data_ptr(), h, w, pt, pl, pb, pr, kh, kw, sh, sw, ho, wo,
-                            weight.data_ptr(), _ptr(bias_c), out.data_ptr(), scratch[i].data_ptr()))
+                            weight.data_ptr(), _ptr(bias_c), out.data_ptr(), scratch[i].data_ptr(), int(bias_last)))
     return out
 
 
@@ -737,8 +739,9 @@ class DepthwiseKept:
     the weights each plane (block) was computed with (``kwts``: float32 ``[N, C, kh * kw]``, or
     ``[N, ceil(C / 16), kh * kw, 16]``) and whether it was (``valid``: uint8 ``[N, C]`` or ``[N, ceil(C / 16)]``).
     The kernels compute a plane again when its channel's (block's) weights have other bits than the kept ones, and
-    add the bias last: the forward sums its taps from zero and adds the bias after them (``DW_BIAS_LAST`` in
-    cpu_steps.c), so a kept plane plus the bias is the fresh forward's float."""
+    add the bias last: on this route the forward sums its taps from zero and adds the bias after them
+    (``bias_last``, ``DW_BIAS_LAST`` in cpu_steps.c), so a kept plane plus the bias is the fresh bias-last forward's
+    float."""
 
     blocked: bool
     kept: torch.Tensor
@@ -778,7 +781,7 @@ def depthwise_kept_output(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """The layer's output for every sample of ``x`` (``[N, C, H, W]``) with ``weight`` (contiguous ``[C, 1, kh, kw]``)
     and ``bias`` (``[C]`` or None), from the kept outputs ``kept`` (planes or blocks whose weights changed computed
     again, and ``kept`` brought up to date): float32 ``[N, C, Ho, Wo]``, the same floats as :func:`depthwise_forward`
-    (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that shape), or None (a new
+    with ``bias_last`` (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that shape), or None (a new
     tensor; on the plane layout ``kept.kept`` itself may be given: the outputs then replace the kept sums, which
     are no longer valid). ``prepared``: the same layer's :func:`depthwise_prepare` (its planes read instead of
     arranged again), or None.
@@ -825,7 +828,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                      kernel, stride, padding, target: torch.Tensor, lo: float, hi: float, wlo: float, whi: float,
                      gscale: float, bias_grad: bool, grads: bool = True, blocked: Optional[bool] = None,
                      prepared: Optional[DepthwisePrepared] = None, workspace: Optional[dict] = None,
-                     want_sse: bool = True, kept: Optional[DepthwiseKept] = None):
+                     want_sse: bool = True, kept: Optional[DepthwiseKept] = None, bias_last: bool = False):
     """``(gw, gb, sse)``: the direct layer loss of a depthwise Conv2d through a clamp in one pass per plane
     (``qt_depthwise_direct``): for the rows ``idx`` (contiguous int64 ``[B]``, CPU) of ``x`` (contiguous float32
     ``[N, C, H, W]``) and of ``target`` (contiguous float32 ``[N, C, Ho, Wo]``), the output
@@ -839,17 +842,20 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     ``target`` with this geometry, read instead of arranging the mini-batch's planes per call (the same bits; its
     route, blocked or not, is the one taken). ``workspace``: a dict the caller keeps between calls of one layer,
     where the kernels' scratch buffers are kept (instead of allocated per call; their contents are not read across
-    calls). ``want_sse=False``: ``sse`` is None (not summed). ``kept``: :func:`depthwise_kept`'s outputs of this layer
-    (brought up to date with ``weight`` for the rows ``idx``), read plus the bias instead of a forward: the same
-    floats, so the same bits (:class:`DepthwiseKept`); its layout is the route taken. Channels are split between
+    calls). ``want_sse=False``: ``sse`` is None (not summed). ``bias_last``: the forward adds the bias after the taps
+    (:func:`depthwise_forward`'s ``bias_last``). ``kept`` (with ``bias_last``): :func:`depthwise_kept`'s outputs of
+    this layer (brought up to date with ``weight`` for the rows ``idx``), read plus the bias instead of a forward: the
+    same floats, so the same bits (:class:`DepthwiseKept`); its layout is the route taken. Channels are split between
     torch's threads.
 
     Raises:
-        ValueError: ``prepared`` and ``kept`` of different layouts."""
+        ValueError: ``prepared`` and ``kept`` of different layouts; ``kept`` without ``bias_last``."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     b, c = idx.numel(), x.shape[1]
     if prepared is not None and kept is not None and prepared.blocked != kept.blocked:
         raise ValueError(f"depthwise_direct: prepared blocked={prepared.blocked} but kept blocked={kept.blocked}")
+    if kept is not None and not bias_last:
+        raise ValueError("depthwise_direct: kept planes hold the bias-last forward; pass bias_last=True with kept")
     if prepared is not None:
         blocked = prepared.blocked
     elif kept is not None:
@@ -877,7 +883,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                                       weight.data_ptr(), _ptr(bias_c),
                                       target.data_ptr(), float(lo), float(hi), float(wlo), float(whi), float(gscale),
                                       _ptr(gw), _ptr(gb), _ptr(sse), _row(xs, i), _row(ts, i), _row(wb, i),
-                                      _row(prow, i), _row(tot, i), xs_all, ts_all, kp, kwp, vp))
+                                      _row(prow, i), _row(tot, i), xs_all, ts_all, int(bias_last), kp, kwp, vp))
         return gw, gb, (sse.sum() if want_sse else None)
     pool = _pool() if c > 1 and work >= PARALLEL_MIN else None
     parts = 1 if pool is None else min(pool[1], c)
@@ -891,7 +897,8 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
                  lambda i, a, e: (a, e, c, b, idx.data_ptr(), x.data_ptr(), h, w, ph, pw, kh, kw, sh, sw, ho, wo,
                                   weight.data_ptr(), _ptr(bias_c), target.data_ptr(),
                                   float(lo), float(hi), float(wlo), float(whi), float(gscale), _ptr(gw), _ptr(gb),
-                                  _ptr(sse), _row(scratch, i), _row(plane, i), _row(tot, i), phases, kp, kwp, vp))
+                                  _ptr(sse), _row(scratch, i), _row(plane, i), _row(tot, i), phases, int(bias_last),
+                                  kp, kwp, vp))
     return gw, gb, (sse.sum() if want_sse else None)
 
 

@@ -1011,9 +1011,10 @@ def _target_rows(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 #: 56x56 layers take 27-80 MB for 16 samples
 DEPTHWISE_PREPARED_MAX_BYTES = 128 << 20
 #: AdaQuant on an integer grid keeps a depthwise layer's output planes between iterations (cpu_steps.DepthwiseKept):
-#: its taps change in 0.5-9 % of the channels between two visits of a sample (EfficientNet-Lite0, AdaQuant 50), and a
-#: kept plane plus the bias is the fresh forward's float (DW_BIAS_LAST), so only the changed planes are computed again
-#: (the same bits). False: every iteration computes the forward (for comparisons)
+#: its taps change in 0.5-9 % of the channels between two visits of a sample (EfficientNet-Lite0, AdaQuant 50), and on
+#: this route the forward adds the bias after the taps (bias_last, DW_BIAS_LAST), so a kept plane plus the bias is the
+#: fresh forward's float and only the changed planes are computed again (the same bits as that forward; rounding apart
+#: from the bias-first forward of the other routes). False: every iteration computes the bias-first forward
 DEPTHWISE_KEPT = True
 #: a lazily built depthwise layer's row of H (QuadraticLayerLoss(sparse=True)) costs about this many of the eager
 #: build's ``N K^2 L g`` multiply-add units: one fill (a torch unfold and float64 product of a channel,
@@ -1532,7 +1533,8 @@ class DirectLayerLoss:
         incremental: keep every sample's output and move it by the weight's changes (above); honoured for a 1x1
             Conv2d on a CPU (``self.incremental`` says whether it is), and for a depthwise Conv2d on the C kernels
             as their kept planes (``self.kept_depthwise``; ``DEPTHWISE_KEPT``): a plane is computed again when its
-            channel's quantized taps change, and plus the bias it is the forward's float, so the same bits.
+            channel's quantized taps change, and plus the bias it is the bias-last forward's float (this loss's
+            forward then adds the bias after the taps: float rounding apart from the bias-first one elsewhere).
 
     Raises:
         ValueError: ``module`` / ``x`` / ``target`` not covered (check :meth:`covers` first).
@@ -1774,7 +1776,7 @@ class DirectLayerLoss:
             m = self.module
             out = self._out if self._out is not None and self._out.shape[0] == ids.numel() else None
             self._out = cpu_steps.depthwise_forward(self.x, ids, weight.contiguous(), bias, m.kernel_size, m.stride,
-                                                    m.padding, out=out)
+                                                    m.padding, out=out, bias_last=self.kept_depthwise)
             return self._out, None
         if self.pointwise:
             out = self._buffer((ids.numel(), weight.shape[0], math.prod(self.x.shape[2:])))
@@ -1826,7 +1828,8 @@ class DirectLayerLoss:
             gw, gb, sse = cpu_steps.depthwise_direct(
                 self.x, ids, weight.contiguous(), self.bias if bias is None else bias, m.kernel_size, m.stride,
                 m.padding, self.target, self.lo, self.hi, self.wlo, self.whi, 2.0 * f, bias is not None,
-                prepared=self._prepared(), workspace=self._workspace, want_sse=want_loss, kept=self._depthwise_kept())
+                prepared=self._prepared(), workspace=self._workspace, want_sse=want_loss, kept=self._depthwise_kept(),
+                bias_last=self.kept_depthwise)
             return gw, gb, (sse * f if want_loss else None)
         gb, by_channel = None, False
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
@@ -1894,7 +1897,7 @@ class DirectLayerLoss:
         module's), from the kept outputs (moved by the weight's last changes, the bias added in place: the same
         convolution to float rounding), as a float32 ``[N, O, H, W]`` view of their memory, which the loss then
         forgets (as :meth:`release_kept`); None where none are kept. A depthwise layer's kept planes
-        (``kept_depthwise``): the planes whose taps changed computed again, plus the bias: the forward's floats
+        (``kept_depthwise``): the planes whose taps changed computed again, plus the bias: its bias-last forward's floats
         (into the planes' memory on the plane layout, a new tensor on the channel-blocked one)."""
         if self.kept_depthwise and self._dwk is not None:
             weight, bias = self._current()
@@ -1942,7 +1945,8 @@ class DirectLayerLoss:
             sse = cpu_steps.depthwise_direct(self.x, torch.tensor(ids, dtype=torch.int64), weight.contiguous(), bias,
                                              m.kernel_size, m.stride, m.padding, self.target, self.lo, self.hi,
                                              self.wlo, self.whi, 0.0, False, grads=False,
-                                             prepared=self._prepared(), kept=self._depthwise_kept())[2]
+                                             prepared=self._prepared(), kept=self._depthwise_kept(),
+                                             bias_last=self.kept_depthwise)[2]
             return float(sse) / (len(ids) * self.denominator)
         # incremental: every sample's outputs kept for the training that follows (the loss before finetuning)
         forward = self._forward_incremental if self.incremental and idx is None else self._forward

@@ -484,8 +484,9 @@ def test_depthwise_direct_equals_forward_residual_wgrad(monkeypatch, channels, s
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["planes", "channel_blocks"])
 def test_depthwise_forward_adds_the_bias_last(blocked):
-    """DW_BIAS_LAST: every depthwise forward (plane by plane and channel-blocked, 3x3 / 5x5 / other tap counts) is its
-    bias-free output plus (0 + bias), bit for bit: the property the kept planes stand on. A -0.0 bias acts as +0."""
+    """DW_BIAS_LAST: the depthwise forward with bias_last (plane by plane and channel-blocked, 3x3 / 5x5 / other tap
+    counts) is its bias-free output plus (0 + bias), bit for bit: the property the kept planes stand on (a -0.0 bias
+    acts as +0); the default forward starts from the bias (to float rounding the same)."""
     gen = torch.Generator().manual_seed(11)
     for kernel, stride, padding in [((3, 3), (1, 1), (1, 1)), ((5, 5), (2, 2), (2, 2)), ((3, 5), (1, 2), (1, 2))]:
         c = 19  # a full block of 16 channels and a partial one
@@ -494,10 +495,14 @@ def test_depthwise_forward_adds_the_bias_last(blocked):
         b = torch.randn(c, generator=gen)
         b[2], b[5] = -0.0, 0.0
         idx = torch.tensor([2, 0])
-        y = cpu_steps.depthwise_forward(x, idx, w, b, kernel, stride, padding)
-        y0 = cpu_steps.depthwise_forward(x, idx, w, None, kernel, stride, padding)
+        y = cpu_steps.depthwise_forward(x, idx, w, b, kernel, stride, padding, bias_last=True)
+        y0 = cpu_steps.depthwise_forward(x, idx, w, None, kernel, stride, padding, bias_last=True)
         want = y0 + (0.0 + b).view(1, -1, 1, 1)
         assert torch.equal(y.view(torch.int32), want.view(torch.int32)), kernel
+        first = cpu_steps.depthwise_forward(x, idx, w, b, kernel, stride, padding)
+        torch.testing.assert_close(first, y, rtol=1e-6, atol=1e-6)
+        assert torch.equal(cpu_steps.depthwise_forward(x, idx, w, None, kernel, stride, padding).view(torch.int32),
+                           y0.view(torch.int32))  # (no bias: the two orders are one)
         # the kept planes plus the bias: the same floats
         kept = cpu_steps.depthwise_kept(x, kernel, stride, padding, blocked=blocked)
         out = cpu_steps.depthwise_kept_output(x, w, b, kernel, stride, padding, kept)
@@ -515,7 +520,7 @@ def test_depthwise_kept_planes_give_the_fresh_bits(monkeypatch, kernel, stride, 
     (one in each block, the bias every step, a sample drawn twice in a mini-batch, the loss alone over every
     sample), depthwise_direct with the kept planes gives the fresh forward's gradients and loss bit for bit, on one
     thread and two; only the planes (blocks) whose taps changed are computed again; depthwise_kept_output is
-    depthwise_forward's output, into the kept planes' memory on the plane layout."""
+    depthwise_forward's output (both with the bias last), into the kept planes' memory on the plane layout."""
     monkeypatch.setattr(cpu_steps, "PARALLEL_MIN", 1)
     gen = torch.Generator().manual_seed(12)
     c = 21
@@ -542,9 +547,9 @@ def test_depthwise_kept_planes_give_the_fresh_bits(monkeypatch, kernel, stride, 
             grads = step != 3  # (the loss alone over every sample: the loss before / value)
             valid_before = kept.valid.clone()
             fresh = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                               blocked=blocked, prepared=prep, grads=grads)
+                                               blocked=blocked, prepared=prep, grads=grads, bias_last=True)
             got = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                             blocked=blocked, prepared=prep, grads=grads, kept=kept)
+                                             blocked=blocked, prepared=prep, grads=grads, kept=kept, bias_last=True)
             for f, g in zip(fresh[:2], got[:2]):
                 assert (f is None) == (g is None)
                 if f is not None:
@@ -558,17 +563,17 @@ def test_depthwise_kept_planes_give_the_fresh_bits(monkeypatch, kernel, stride, 
         # valid, they are computed again and the fresh bits come back
         idx = torch.tensor([0])
         fresh = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                           blocked=blocked, prepared=prep)
+                                           blocked=blocked, prepared=prep, bias_last=True)
         kept.kept[0] += 1.0
         spoilt = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                            blocked=blocked, prepared=prep, kept=kept)
+                                            blocked=blocked, prepared=prep, kept=kept, bias_last=True)
         assert not torch.equal(spoilt[0], fresh[0])
         kept.valid[0] = 0
         again = cpu_steps.depthwise_direct(x, idx, w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                           blocked=blocked, prepared=prep, kept=kept)
+                                           blocked=blocked, prepared=prep, kept=kept, bias_last=True)
         assert torch.equal(again[0].view(torch.int32), fresh[0].view(torch.int32))
         w[7, 0, 0, 0] += 0.5
-        y = cpu_steps.depthwise_forward(x, torch.arange(5), w, b, *args)
+        y = cpu_steps.depthwise_forward(x, torch.arange(5), w, b, *args, bias_last=True)
         out = cpu_steps.depthwise_kept_output(x, w, b, *args, kept, prepared=prep)
         assert torch.equal(out.view(torch.int32), y.view(torch.int32))
         if not blocked:  # into the kept planes themselves
@@ -584,7 +589,9 @@ def test_depthwise_kept_planes_give_the_fresh_bits(monkeypatch, kernel, stride, 
     other = cpu_steps.depthwise_prepare(x, target, *args, blocked=not blocked)
     with pytest.raises(ValueError, match="blocked"):
         cpu_steps.depthwise_direct(x, torch.tensor([0]), w, b, *args, target, lo, hi, wlo, whi, 0.25, True,
-                                   prepared=other, kept=kept)
+                                   prepared=other, kept=kept, bias_last=True)
+    with pytest.raises(ValueError, match="bias_last=True"):
+        cpu_steps.depthwise_direct(x, torch.tensor([0]), w, b, *args, target, lo, hi, wlo, whi, 0.25, True, kept=kept)
 
 def test_direct_loss_value_of_a_depthwise_layer_equals_the_forward_path():
     """DirectLayerLoss.value of a depthwise layer (one C call, no output written out) is the loss of its forward

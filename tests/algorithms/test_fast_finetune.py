@@ -1842,10 +1842,10 @@ def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fuse
 @pytest.mark.parametrize("width", [32, 12], ids=["planes", "channel_blocks"])
 def test_direct_loss_keeps_depthwise_planes_with_the_same_bits(monkeypatch, width):
     """DirectLayerLoss(incremental=True) on a depthwise Conv2d keeps every sample's output planes (kept_depthwise):
-    its loss before, gradients over steps that move a few taps and the bias, and its kept output are the plain
-    direct loss's bit for bit (a kept plane plus the bias is the forward's float), on the plane layout and the
-    channel-blocked one; the loss then forgets the planes; DEPTHWISE_KEPT=False keeps none; input and target
-    unchanged."""
+    its loss before, gradients over steps that move a few taps and the bias, and its kept output are those of the same
+    loss with every plane computed again each call, bit for bit (a kept plane plus the bias is the bias-last
+    forward's float), on the plane layout and the channel-blocked one, and the plain (bias-first) direct loss's to
+    float rounding; the loss then forgets the planes; DEPTHWISE_KEPT=False keeps none; input and target unchanged."""
     from qtorch_onnx.algorithms import cpu_steps, reconstruction
     from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss, activation_clamp
     from qtorch_onnx.lift.ops_math import OnnxClip
@@ -1861,28 +1861,33 @@ def test_direct_loss_keeps_depthwise_planes_with_the_same_bits(monkeypatch, widt
     x0, t0 = x.clone(), target.clone()
     bias = m.bias.detach().clone()
     kept = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    fresh = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)  # its planes dropped before every call
     plain = DirectLayerLoss(m, x, target, clamp, bias)
     assert kept.kept_depthwise and not plain.kept_depthwise and kept.depthwise
-    assert kept.value() == plain.value()  # the loss before: every plane computed and kept
+    assert kept.value() == fresh.value() == pytest.approx(plain.value(), rel=1e-6)
     w, b = m.weight.detach().clone(), bias.clone()
     for step in range(5):
         w[(3 * step) % 20, 0, 1, 1] += 0.02 * (step % 3)  # (no change on steps 0 and 3)
         b += 1e-3
         idx = [step % 6, (step + 3) % 6]
+        fresh._dwk = None
         gi, gbi, li = kept.gradient(idx, w, 0.5, bias=b)
+        gf, gbf, lf = fresh.gradient(idx, w, 0.5, bias=b)
         gp, gbp, lp = plain.gradient(idx, w, 0.5, bias=b)
-        assert float(li) == float(lp)
-        assert torch.equal(gi.view(torch.int32), gp.view(torch.int32))
-        assert torch.equal(gbi.view(torch.int32), gbp.view(torch.int32))
+        assert float(li) == float(lf) == pytest.approx(float(lp), rel=1e-6)
+        assert torch.equal(gi.view(torch.int32), gf.view(torch.int32))
+        assert torch.equal(gbi.view(torch.int32), gbf.view(torch.int32))
+        torch.testing.assert_close(gi, gp, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
         m.weight.copy_(w)
         m.bias.copy_(b)
     out = kept.kept_output()
     assert kept._dwk is None  # forgotten: a later call computes the planes again
-    assert torch.equal(out.clamp(0.0, 6.0).view(torch.int32), plain.output(range(6)).view(torch.int32))
-    want = cpu_steps.depthwise_forward(x, torch.arange(6), w.contiguous(), b, (3, 3), (1, 1), (1, 1))
+    assert torch.equal(out.clamp(0.0, 6.0).view(torch.int32), kept.output(range(6)).view(torch.int32))
+    want = cpu_steps.depthwise_forward(x, torch.arange(6), w.contiguous(), b, (3, 3), (1, 1), (1, 1), bias_last=True)
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
-    assert kept.value() == plain.value()
+    fresh._dwk = None
+    assert kept.value() == fresh.value()
     assert torch.equal(x, x0) and torch.equal(target, t0)
     monkeypatch.setattr(reconstruction, "DEPTHWISE_KEPT", False)
     assert not DirectLayerLoss(m, x, target, clamp, bias, incremental=True).kept_depthwise
@@ -2058,7 +2063,8 @@ def test_float_pass_reads_a_zero_pad_through_the_depthwise_kernel(monkeypatch, a
 def test_adaquant_with_kept_depthwise_planes_exports_the_same_bytes(monkeypatch):
     """AdaQuant through a depthwise layer with its output planes kept between iterations (DEPTHWISE_KEPT, the route
     taken: its note and the kept output read for the staged pass) exports the same bytes and reports the same layer
-    losses as with every iteration's forward computed."""
+    losses as with every plane computed again each iteration (the planes dropped before each call); without the
+    route (DEPTHWISE_KEPT=False, the bias-first forward) the losses agree to float rounding."""
     import importlib
 
     from qtorch_onnx.algorithms import cpu_steps
@@ -2069,27 +2075,35 @@ def test_adaquant_with_kept_depthwise_planes_exports_the_same_bytes(monkeypatch)
     rng = np.random.default_rng(5)
     data = [{"input": rng.normal(0, 1, (1, 4, 56, 56)).astype(np.float32)} for _ in range(8)]
     outputs = []
-    orig = cpu_steps.depthwise_kept_output
+    orig_out, orig_kept = cpu_steps.depthwise_kept_output, rc.DirectLayerLoss._depthwise_kept
 
     def spy(*a, **k):
-        y = orig(*a, **k)
+        y = orig_out(*a, **k)
         outputs.append(tuple(y.shape))
         return y
 
+    def dropped(self):  # every call with planes none of which is valid: the forward computed afresh
+        if self._dwk is not None:
+            self._dwk.valid.zero_()
+        return orig_kept(self)
+
     monkeypatch.setattr(cpu_steps, "depthwise_kept_output", spy)
     results = {}
-    for keep in (True, False):
-        monkeypatch.setattr(rc, "DEPTHWISE_KEPT", keep)
+    for mode in ("kept", "dropped", "off"):
+        monkeypatch.setattr(rc, "DEPTHWISE_KEPT", mode != "off")
+        monkeypatch.setattr(rc.DirectLayerLoss, "_depthwise_kept", dropped if mode == "dropped" else orig_kept)
         qm = _prepared("A8W8", _pad_depthwise_model(), data)
         fast_finetune(qm, data, algorithm="adaquant", num_iterations=8, batch_size=2, progress=False)
         layers = qm.finetune_report.layers
-        results[keep] = (qo.export(qm, None).SerializeToString(),
+        results[mode] = (qo.export(qm, None).SerializeToString(),
                          [(r.name, r.loss_before, r.loss_after, r.kept) for r in layers])
         notes = " ".join(r.note for r in layers)
-        assert ("output planes kept" in notes) == keep
-        assert outputs == ([(8, 8, 28, 28)] if keep else []), outputs
+        assert ("output planes kept" in notes) == (mode != "off")
+        assert outputs == ([(8, 8, 28, 28)] if mode != "off" else []), outputs
         outputs.clear()
-    assert results[True] == results[False]
+    assert results["kept"] == results["dropped"]
+    for a, b in zip(results["kept"][1], results["off"][1]):
+        assert a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-4) and a[2] == pytest.approx(b[2], rel=1e-3)
 
 def test_zero_pad_hw_takes_only_zero_padding_of_the_plane():
     """reconstruction._zero_pad_hw: (top, left, bottom, right) of a constant +0.0 Pad of the last two axes; None for
