@@ -1414,13 +1414,13 @@ static inline void store_n(float *p, vf v, int64_t n) {
  * matter): AdaQuant's kept depthwise planes (qt_depthwise_direct's `kept`) train on the bias-last forward, the same
  * bits as computing it fresh; everything else keeps the bias-first floats. */
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dw_forward8_* below) */
-/* one plane's output: out[y][x] = (init + sum_i w[i] xpad[sh y + a_i][sw x + b_i]) + post (DW_BIAS_LAST), the taps
- * i = a kw + b accumulated in order in register blocks of VL output columns; a block reads up to VL - 1 columns past the row's last output:
- * the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left to itself GCC
- * vectorizes across the taps with gathers. With 9 taps their broadcast weights and offsets sit in registers for the
- * plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side (independent
- * chains of multiply-adds: a block alone waits on its k multiply-adds' latency; 5x5 taps 10-15% faster, 3x3 ones 5%
- * slower that way). */
+/* one plane's output: out[y][x] = (init + sum_i w[i] xpad[sh y + a_i][sw x + b_i]) + post (DW_BIAS_LAST), the taps i =
+ * a kw + b accumulated in order in register blocks of VL output columns; a block reads up to VL - 1 columns past the
+ * row's last output: the next row's, or the scratch's zeroed slack; those lanes are not stored. Explicit vectors: left
+ * to itself GCC vectorizes across the taps with gathers. With 9 taps their broadcast weights and offsets sit in
+ * registers for the plane (GCC reloaded both from memory for every block); other tap counts run two blocks side by side
+ * (independent chains of multiply-adds: a block alone waits on its k multiply-adds' latency; 5x5 taps 10-15% faster,
+ * 3x3 ones 5% slower that way). */
 /* the 9-tap kernel, its weights and offsets in arrays of exactly 9 entries (arrays sized for the largest tap count
  * stayed in memory) */
 static void dw_forward_k9(const float *restrict pp, int64_t wq, const int64_t *restrict off, int64_t sh, int64_t ho,
@@ -1768,18 +1768,17 @@ void qt_depthwise_phase_prepare(int64_t p0, int64_t p1, const float *x, int64_t 
  * for channels ch in [c0, c1) and each of the nb samples idx[b], the plane's padded phases (phase_plane, once), its
  * output (dw_forward_plane) into `plane` (ho wo floats, in cache), the residual and output gradient in place
  * (act_residual_row: g = gscale (clamp(p, lo, hi) - target) m), its weight gradient from the same phases
- * (dw_wgrad_plane) and its bias gradient; nothing of the output goes to memory. The forward, act_residual and
- * wgrad calls' arithmetic, plane for plane: gw the same bits (the samples summed in order per channel), g the same
- * floats; gb[ch] = sum of g over the channel's planes in float64 (not torch's float32 sum), sse[ch] = sum r^2
- * (float64). gb NULL: not computed; gw NULL: neither gradient, the loss alone (no weight-gradient pass). scratch
- * and tot as qt_depthwise_wgrad's. phases: every plane of x already split into its phases, [N][c][sw hp wq + VL]
- * (phase_plane's layout, its last VL floats zero; qt_depthwise_phase_prepare), read instead of phase_plane per call
- * (the same values: the same bits), or NULL.
- * last: the bias added after the taps instead of before them (DW_BIAS_LAST).
- * kept (AdaQuant's kept outputs, or NULL; with last): every sample's planes of the output without the bias, [N][c][ho wo]
- * (DW_BIAS_LAST), for the weights kwts ([N][c][kh kw]) they were computed with where valid ([N][c]) is 1: a plane
- * whose channel's weight has other bits, or that is not valid, is computed again (and kwts, valid updated); the
- * output is then the kept plane plus the bias instead of a forward: the same floats (DW_BIAS_LAST). */
+ * (dw_wgrad_plane) and its bias gradient; nothing of the output goes to memory. The forward, act_residual and wgrad
+ * calls' arithmetic, plane for plane: gw the same bits (the samples summed in order per channel), g the same floats;
+ * gb[ch] = sum of g over the channel's planes in float64 (not torch's float32 sum), sse[ch] = sum r^2 (float64). gb
+ * NULL: not computed; gw NULL: neither gradient, the loss alone (no weight-gradient pass). scratch and tot as
+ * qt_depthwise_wgrad's. phases: every plane of x already split into its phases, [N][c][sw hp wq + VL] (phase_plane's
+ * layout, its last VL floats zero; qt_depthwise_phase_prepare), read instead of phase_plane per call (the same values:
+ * the same bits), or NULL. last: the bias added after the taps instead of before them (DW_BIAS_LAST). kept (AdaQuant's
+ * kept outputs, or NULL; with last): every sample's planes of the output without the bias, [N][c][ho wo]
+ * (DW_BIAS_LAST), for the weights kwts ([N][c][kh kw]) they were computed with where valid ([N][c]) is 1: a plane whose
+ * channel's weight has other bits, or that is not valid, is computed again (and kwts, valid updated); the output is
+ * then the kept plane plus the bias instead of a forward: the same floats (DW_BIAS_LAST). */
 /* whether sample n's kept plane p = n c + ch is out of date with the channel's weight wc (k floats) */
 static inline int dw_kept_stale(const uint8_t *valid, const float *kwts, int64_t p, const float *wc, int64_t k) {
     return !valid[p] || __builtin_memcmp(kwts + p * k, wc, (size_t)k * sizeof(float)) != 0;
@@ -1861,8 +1860,8 @@ void qt_depthwise_direct(int64_t c0, int64_t c1, int64_t c, int64_t nb, const in
 
 /* The kept outputs (qt_depthwise_direct's kept, kwts, valid) of every sample n in [0, nn) for channels ch in [c0, c1),
  * brought up to date with `weight` (planes out of date computed again), plus the bias, into out ([nn][c][ho wo]; may be
- * kept itself): the layer's output, the same floats as qt_depthwise_forward_pads' with last (DW_BIAS_LAST). scratch, phases as
- * qt_depthwise_direct's. */
+ * kept itself): the layer's output, the same floats as qt_depthwise_forward_pads' with last (DW_BIAS_LAST). scratch,
+ * phases as qt_depthwise_direct's. */
 void qt_depthwise_kept_output(int64_t c0, int64_t c1, int64_t c, int64_t nn, const float *x, int64_t h, int64_t w,
                               int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
                               int64_t wo, const float *weight, const float *bias, float *kept, float *kwts,
@@ -1930,10 +1929,10 @@ static void act_residual_lanes(int64_t n, float *restrict p, const float *restri
 }
 
 #if !(defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) /* (AVX2: dwb8_plane_* below) */
-/* one output row of the channel-blocked forward: prow[xx GB + t] = (iv + sum_i w_i xs(xx step + off_i)) + pv (DW_BIAS_LAST:
- * the bias in iv or in pv per lane), the taps in order (qt_depthwise_forward's multiply-adds, so its floats). P positions side by side: P independent chains of
- * multiply-adds (one chain waits on each multiply-add's latency, 4 cycles); K taps as a constant keeps the weights in
- * registers. */
+/* one output row of the channel-blocked forward: prow[xx GB + t] = (iv + sum_i w_i xs(xx step + off_i)) + pv
+ * (DW_BIAS_LAST: the bias in iv or in pv per lane), the taps in order (qt_depthwise_forward's multiply-adds, so its
+ * floats). P positions side by side: P independent chains of multiply-adds (one chain waits on each multiply-add's
+ * latency, 4 cycles); K taps as a constant keeps the weights in registers. */
 #define DWB_FORWARD(NAME, K, P)                                                                                        \
     static void NAME(const float *restrict xs, const int64_t *restrict off, int64_t k, int64_t step, int64_t wo,     \
                      const float *restrict wb, vf iv, vf pv, float *restrict prow) {                                  \
@@ -1994,10 +1993,10 @@ static void dwb_forward_any(const float *restrict xs, const int64_t *restrict of
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The channel-blocked forward of a whole plane on AVX2: each 8-channel half of the block on its own (one 256-bit
- * vector), DWB8_P positions side by side across rows (independent chains of multiply-adds even on a 7-wide plane),
- * each tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (from init a
- * multiply-add per tap in tap order, then post), so the same floats. The sixteen-lane forms spilled on AVX2: their nine or
- * twenty-five weights and eight accumulators are two registers each (522 of 943 instructions of dwb_forward_k9 went
+ * vector), DWB8_P positions side by side across rows (independent chains of multiply-adds even on a 7-wide plane), each
+ * tap's weight loaded once per group; every lane gets dwb_forward_*'s operations in their order (from init a
+ * multiply-add per tap in tap order, then post), so the same floats. The sixteen-lane forms spilled on AVX2: their nine
+ * or twenty-five weights and eight accumulators are two registers each (522 of 943 instructions of dwb_forward_k9 went
  * through the stack). */
 #define DWB8_P 8
 #define DWB8_PLANE(NAME, KK)                                                                                           \
@@ -2209,11 +2208,12 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
  * prow ho wo GB (the plane's outputs, then its output gradient); tot: (k + 2) GB doubles. gw NULL: the loss alone;
  * gb NULL: no bias gradient. xs_all / ts_all (both or neither): every sample's planes and target rows already in
  * that layout, [N][ceil(c / GB)][hp wp GB] and [N][ceil(c / GB)][ho wo GB] (qt_depthwise_blocked_prepare), read
- * instead of interleaved per call (the same values, so the same bits; xs and ts unused then).
- * last: as qt_depthwise_direct's. kept (or NULL; with last): qt_depthwise_direct's kept outputs in this layout, [N][ceil(c / GB)][ho wo GB] (the block's sums
- * without the bias), for the block weights kwts ([N][ceil(c / GB)][kh kw GB], wb's layout) where valid
- * ([N][ceil(c / GB)]) is 1: a block whose weights have other bits is computed again (every lane: the lanes whose
- * weights did not change get their kept floats again), and the output is the kept block plus the bias. */
+ * instead of interleaved per call (the same values, so the same bits; xs and ts unused then). last: as
+ * qt_depthwise_direct's. kept (or NULL; with last): qt_depthwise_direct's kept outputs in this layout,
+ * [N][ceil(c / GB)][ho wo GB] (the block's sums without the bias), for the block weights kwts
+ * ([N][ceil(c / GB)][kh kw GB], wb's layout) where valid ([N][ceil(c / GB)]) is 1: a block whose weights have other
+ * bits is computed again (every lane: the lanes whose weights did not change get their kept floats again), and the
+ * output is the kept block plus the bias. */
 static const float zero16[GB] = {0};
 /* the channel-blocked kernels' tap offsets in an interleaved padded plane (wp columns of GB floats) */
 static void dwb_offsets(int64_t kh, int64_t kw, int64_t wp, int64_t *off) {
@@ -2315,8 +2315,8 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
 
 /* qt_depthwise_kept_output on qt_depthwise_direct_blocked's kept blocks: for the blocks q in [q0, q1) of every sample
  * n in [0, nn), blocks out of date computed again, then the kept sums plus the bias de-interleaved into out
- * ([nn][c][ho wo]): the same floats as qt_depthwise_forward_pads' with last. xs (hp wp GB floats) and wb (kh kw GB floats): scratch;
- * xs_all: the prepared planes ([N][ceil(c / GB)][hp wp GB]) or NULL. */
+ * ([nn][c][ho wo]): the same floats as qt_depthwise_forward_pads' with last. xs (hp wp GB floats) and wb (kh kw GB
+ * floats): scratch; xs_all: the prepared planes ([N][ceil(c / GB)][hp wp GB]) or NULL. */
 void qt_depthwise_kept_output_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nn, const float *x, int64_t h,
                                       int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
                                       int64_t ho, int64_t wo, const float *weight, const float *bias, float *kept,

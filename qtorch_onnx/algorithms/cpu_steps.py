@@ -36,7 +36,8 @@ from .. import native
 
 __all__ = ["RowLayout", "available", "library", "adaround_values", "adaround_grad", "adaquant_values",
            "adaquant_adam", "depthwise_gram", "act_residual", "act_sse", "depthwise_forward", "depthwise_wgrad",
-           "depthwise_direct", "DepthwiseKept", "depthwise_kept", "depthwise_kept_output", "DepthwisePrepared", "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
+           "depthwise_direct", "DepthwiseKept", "depthwise_kept", "depthwise_kept_output", "DepthwisePrepared",
+           "depthwise_prepare", "depthwise_prepared_bytes", "bias_values",
            "masked_adam", "gram_gradient", "gram_scratch_size", "gram_scratch_parts", "kept_diff", "kept_replay",
            "all_finite", "OuterGradient", "adaquant_adam_outer", "AdamMoments", "KeptDiff", "one_pass", "ENV_SWITCH",
            "GramAdaQuantArgs", "gram_adaquant_iteration", "GramAdaRoundArgs", "gram_adaround_iteration"]
@@ -781,7 +782,8 @@ def depthwise_kept_output(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """The layer's output for every sample of ``x`` (``[N, C, H, W]``) with ``weight`` (contiguous ``[C, 1, kh, kw]``)
     and ``bias`` (``[C]`` or None), from the kept outputs ``kept`` (planes or blocks whose weights changed computed
     again, and ``kept`` brought up to date): float32 ``[N, C, Ho, Wo]``, the same floats as :func:`depthwise_forward`
-    with ``bias_last`` (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that shape), or None (a new
+    with ``bias_last`` (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that
+    shape), or None (a new
     tensor; on the plane layout ``kept.kept`` itself may be given: the outputs then replace the kept sums, which
     are no longer valid). ``prepared``: the same layer's :func:`depthwise_prepare` (its planes read instead of
     arranged again), or None.

@@ -1897,8 +1897,8 @@ class DirectLayerLoss:
         module's), from the kept outputs (moved by the weight's last changes, the bias added in place: the same
         convolution to float rounding), as a float32 ``[N, O, H, W]`` view of their memory, which the loss then
         forgets (as :meth:`release_kept`); None where none are kept. A depthwise layer's kept planes
-        (``kept_depthwise``): the planes whose taps changed computed again, plus the bias: its bias-last forward's floats
-        (into the planes' memory on the plane layout, a new tensor on the channel-blocked one)."""
+        (``kept_depthwise``): the planes whose taps changed computed again, plus the bias: its bias-last forward's
+        floats (into the planes' memory on the plane layout, a new tensor on the channel-blocked one)."""
         if self.kept_depthwise and self._dwk is not None:
             weight, bias = self._current()
             dwk, self._dwk = self._dwk, None
