@@ -1702,13 +1702,12 @@ static void tap_offsets(int64_t kh, int64_t kw, int64_t sw, int64_t hp, int64_t 
             off[a * kw + b] = ((b % sw) * hp + a) * wq + b / sw;
 }
 
-/* A depthwise Conv2d (one output per input channel, dilation 1, zero padding ph / pw, stride sh / sw, kernel kh x kw)
- * on the rows idx[b] of x ([N, c, h, w]): planes p = b c + ch in [p0, p1) of out ([B, c, ho, wo]). weight: [c, kh kw];
- * bias: [c] or NULL. scratch: sw hp wq + VL floats, hp = h + 2 ph, wq = ceil((w + 2 pw) / sw), the last VL zero. */
-/* qt_depthwise_forward with the zero padding given side by side: pt rows above, pl columns left, pb rows below and
- * pr columns right of each plane (an ONNX Pad's asymmetric padding read straight from the unpadded planes): the same
- * scratch, so the same bits, as qt_depthwise_forward on the planes padded beforehand; last: the bias after the taps
- * (DW_BIAS_LAST) */
+/* A depthwise Conv2d (one output per input channel, dilation 1, stride sh / sw, kernel kh x kw) on the rows idx[b] of x
+ * ([N, c, h, w]): planes p = b c + ch in [p0, p1) of out ([B, c, ho, wo]). weight: [c, kh kw]; bias: [c] or NULL. The
+ * zero padding: pt rows above, pl columns left, pb rows below and pr columns right of each plane (a Conv2d's ph / pw on
+ * both sides, or an ONNX Pad's asymmetric padding read straight from the unpadded planes: the same bits as on the
+ * planes padded beforehand). scratch: sw hp wq + VL floats, hp = h + pt + pb, wq = ceil((w + pl + pr) / sw), the last
+ * VL zero. last: the bias after the taps (DW_BIAS_LAST). */
 void qt_depthwise_forward_pads(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h,
                                int64_t w, int64_t pt, int64_t pl, int64_t pb, int64_t pr, int64_t kh, int64_t kw,
                                int64_t sh, int64_t sw, int64_t ho, int64_t wo, const float *weight, const float *bias,
@@ -1722,13 +1721,6 @@ void qt_depthwise_forward_pads(int64_t p0, int64_t p1, int64_t c, const int64_t 
         dw_forward_plane(scratch, wq, k, off, sh, ho, wo, weight + ch * k, bias ? bias[ch] : 0.0f, (int)last,
                          out + p * ho * wo);
     }
-}
-
-void qt_depthwise_forward(int64_t p0, int64_t p1, int64_t c, const int64_t *idx, const float *x, int64_t h, int64_t w,
-                          int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ho,
-                          int64_t wo, const float *weight, const float *bias, float *out, float *scratch) {
-    qt_depthwise_forward_pads(p0, p1, c, idx, x, h, w, ph, pw, ph, pw, kh, kw, sh, sw, ho, wo, weight, bias, out,
-                              scratch, 0);
 }
 
 /* Its weight gradient for the output gradient g ([nb, c, ho, wo]): gw[ch] (kh kw floats) for channels ch in [c0, c1),
@@ -2176,6 +2168,14 @@ static void dwb_forward_plane(const float *restrict xs, const int64_t *restrict 
 #endif
 }
 
+/* the cn channels' planes of one sample and block (src: the first plane, h x w floats each) interleaved into xs'
+ * interior (hp x wp columns of GB floats, rows and columns past ph / pw; its zero border left as it is) */
+static void dwb_interleave_planes(float *xs, const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t wp,
+                                  int64_t cn) {
+    for (int64_t r = 0; r < h; r++)
+        interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, h * w, cn);
+}
+
 /* qt_depthwise_direct_blocked's xs and ts of every sample: for the (sample, block) pairs q in [q0, q1) of n x
  * ceil(c / GB), the block's zero-padded planes interleaved into xs_all[q] (hp wp GB floats) and its target rows into
  * ts_all[q] (ho wo GB floats; channels past c zero), as the kernel interleaves them per call */
@@ -2187,9 +2187,7 @@ void qt_depthwise_blocked_prepare(int64_t q0, int64_t q1, int64_t c, const float
         int64_t n = q / nblk, c0 = (q % nblk) * GB, cn = c - c0 < GB ? c - c0 : GB;
         float *xs = xs_all + q * hp * wp * GB;
         __builtin_memset(xs, 0, (size_t)(hp * wp * GB) * sizeof(float));
-        const float *src = x + (n * c + c0) * plane;
-        for (int64_t r = 0; r < h; r++)
-            interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+        dwb_interleave_planes(xs, x + (n * c + c0) * plane, h, w, ph, pw, wp, cn);
         interleave(ts_all + q * len * GB, target + (n * c + c0) * len, len, len, cn);
     }
 }
@@ -2234,18 +2232,14 @@ static void dwb_block_weights(const float *weight, const float *bias, int64_t k,
 static inline int dwb_kept_stale(const uint8_t *valid, const float *kwts, int64_t pq, const float *wb, int64_t k) {
     return !valid[pq] || __builtin_memcmp(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float)) != 0;
 }
-/* kept block pq (kept + pq ho wo GB) brought up to date with the block weights wb: computed again from the interleaved
- * planes xb when stale (dwb_kept_stale; kwts and valid then updated) */
-static float *dwb_kept_block(float *kept, float *kwts, uint8_t *valid, int64_t pq, const float *wb, int64_t k,
-                             int64_t len, const float *xb, const int64_t *off, int64_t sh, int64_t wp, int64_t step,
-                             int64_t ho, int64_t wo) {
-    float *kb = kept + pq * len * GB;
-    if (dwb_kept_stale(valid, kwts, pq, wb, k)) {
-        dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, 1, kb);
-        __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
-        valid[pq] = 1;
-    }
-    return kb;
+/* kept block pq (kept + pq ho wo GB) computed again from the interleaved planes xb (the forward with bias 0) for the
+ * block weights wb, kwts and valid updated: dw_kept_fill's channel-blocked twin */
+static void dwb_kept_fill(float *kept, float *kwts, uint8_t *valid, int64_t pq, const float *wb, int64_t k,
+                          const float *xb, const int64_t *off, int64_t sh, int64_t wp, int64_t step, int64_t ho,
+                          int64_t wo) {
+    dwb_forward_plane(xb, off, k, sh, wp, step, ho, wo, wb, zero16, 1, kept + pq * ho * wo * GB);
+    __builtin_memcpy(kwts + pq * k * GB, wb, (size_t)(k * GB) * sizeof(float));
+    valid[pq] = 1;
 }
 void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, const int64_t *idx, const float *x,
                                  int64_t h, int64_t w, int64_t ph, int64_t pw, int64_t kh, int64_t kw, int64_t sh,
@@ -2273,14 +2267,14 @@ void qt_depthwise_direct_blocked(int64_t q0, int64_t q1, int64_t c, int64_t nb, 
                 xb = xs_all + (idx[b] * nblk + q) * hp * wp * GB;
                 tb = ts_all + (idx[b] * nblk + q) * len * GB;
             } else {
-                const float *src = x + (idx[b] * c + c0) * plane;
-                for (int64_t r = 0; r < h; r++)
-                    interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+                dwb_interleave_planes(xs, x + (idx[b] * c + c0) * plane, h, w, ph, pw, wp, cn);
                 interleave(ts, target + (idx[b] * c + c0) * len, len, len, cn);
             }
             if (kept != NULL) {
-                const float *kb = dwb_kept_block(kept, kwts, valid, idx[b] * nblk + q, wb, k, len, xb, off, sh, wp,
-                                                 step, ho, wo);
+                int64_t pq = idx[b] * nblk + q;
+                if (dwb_kept_stale(valid, kwts, pq, wb, k))
+                    dwb_kept_fill(kept, kwts, valid, pq, wb, k, xb, off, sh, wp, step, ho, wo);
+                const float *kb = kept + pq * len * GB;
                 for (int64_t j = 0; j < len; j++)
                     for (int64_t t = 0; t < GB; t++)
                         prow[j * GB + t] = kb[j * GB + t] + bb[t];
@@ -2334,15 +2328,15 @@ void qt_depthwise_kept_output_blocked(int64_t q0, int64_t q1, int64_t c, int64_t
         dwb_block_weights(weight, bias, k, c0, cn, wb, bb);
         for (int64_t n = 0; n < nn; n++) {
             int64_t pq = n * nblk + q;
-            const float *xb = xs;
-            if (xs_all != NULL)
-                xb = xs_all + pq * hp * wp * GB;
-            else if (dwb_kept_stale(valid, kwts, pq, wb, k)) {
-                const float *src = x + (n * c + c0) * plane; /* (the planes only for a block to compute again) */
-                for (int64_t r = 0; r < h; r++)
-                    interleave(xs + ((r + ph) * wp + pw) * GB, src + r * w, w, plane, cn);
+            if (dwb_kept_stale(valid, kwts, pq, wb, k)) { /* (the planes only for a block to compute again) */
+                const float *xb = xs;
+                if (xs_all != NULL)
+                    xb = xs_all + pq * hp * wp * GB;
+                else
+                    dwb_interleave_planes(xs, x + (n * c + c0) * plane, h, w, ph, pw, wp, cn);
+                dwb_kept_fill(kept, kwts, valid, pq, wb, k, xb, off, sh, wp, step, ho, wo);
             }
-            const float *kb = dwb_kept_block(kept, kwts, valid, pq, wb, k, len, xb, off, sh, wp, step, ho, wo);
+            const float *kb = kept + pq * len * GB;
             for (int64_t t = 0; t < cn; t++) {
                 float *o = out + (n * c + c0 + t) * len;
                 for (int64_t j = 0; j < len; j++)

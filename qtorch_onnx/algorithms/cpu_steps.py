@@ -78,7 +78,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_gram_gradient.argtypes = [i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, f32, f32] + [ptr] * 7
     lib.qt_gram_gradient.restype = ctypes.c_int
     lib.qt_masked_adam.argtypes = [i64, ptr, ptr, ptr] + adam
-    lib.qt_depthwise_forward.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_forward_pads.argtypes = [i64, i64, i64, ptr, ptr] + [i64] * 12 + [ptr] * 4 + [i64]
     lib.qt_depthwise_wgrad.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 4
     lib.qt_depthwise_direct.argtypes = [i64, i64, i64, i64, ptr, ptr] + [i64] * 10 + [ptr] * 3 + [f32] * 5 + \
@@ -98,7 +97,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qt_gram_adaround_iteration.restype = None
     for f in (lib.qt_adaround_values, lib.qt_adaround_grad, lib.qt_adaquant_values, lib.qt_depthwise_gram,
               lib.qt_depthwise_gram_blocked,
-              lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_forward, lib.qt_depthwise_wgrad,
+              lib.qt_adaquant_adam, lib.qt_act_residual, lib.qt_act_sse, lib.qt_depthwise_wgrad,
               lib.qt_bias_values, lib.qt_masked_adam, lib.qt_depthwise_direct, lib.qt_kept_replay, lib.qt_adaquant_adam_outer,
               lib.qt_act_residual_kept, lib.qt_depthwise_forward_pads):
         f.restype = None
@@ -623,6 +622,12 @@ _GB = 16
 DIRECT_BLOCKED_MAX_WIDTH = 29
 
 
+def _blocked_route(blocked: Optional[bool], wo: int) -> bool:
+    """Whether the depthwise kernels run channel-blocked: ``blocked`` when given, else by the output width ``wo``
+    (below ``DIRECT_BLOCKED_MAX_WIDTH``)."""
+    return wo < DIRECT_BLOCKED_MAX_WIDTH if blocked is None else bool(blocked)
+
+
 def depthwise_forward(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       kernel, stride, padding, out: Optional[torch.Tensor] = None, bias_last: bool = False
                       ) -> torch.Tensor:
@@ -696,8 +701,7 @@ def depthwise_prepared_bytes(x: torch.Tensor, kernel, stride, padding, blocked: 
     """The bytes :func:`depthwise_prepare` would allocate for ``x`` (``[N, C, H, W]``) with this geometry."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     n, c = x.shape[0], x.shape[1]
-    if blocked is None:
-        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    blocked = _blocked_route(blocked, wo)
     if blocked:
         return 4 * n * -(-c // _GB) * _GB * ((h + 2 * ph) * (w + 2 * pw) + ho * wo)
     return 4 * n * c * scratch_len
@@ -713,8 +717,7 @@ def depthwise_prepare(x: torch.Tensor, target: torch.Tensor, kernel, stride, pad
     threads."""
     h, w, ph, pw, kh, kw, sh, sw, ho, wo, scratch_len = _depthwise_geometry(x, kernel, stride, padding)
     n, c = x.shape[0], x.shape[1]
-    if blocked is None:
-        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    blocked = _blocked_route(blocked, wo)
     lib = library()
     if blocked:
         nblk = -(-c // _GB)
@@ -760,8 +763,7 @@ def depthwise_kept(x: torch.Tensor, kernel, stride, padding, blocked: Optional[b
     kh, kw = kernel
     ho, wo = _depthwise_geometry(x, kernel, stride, padding)[8:10]
     n, c = x.shape[0], x.shape[1]
-    if blocked is None:
-        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    blocked = _blocked_route(blocked, wo)
     if blocked:
         nblk = -(-c // _GB)
         return DepthwiseKept(True, torch.empty(n, nblk, ho * wo, _GB, dtype=torch.float32),
@@ -783,9 +785,8 @@ def depthwise_kept_output(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     and ``bias`` (``[C]`` or None), from the kept outputs ``kept`` (planes or blocks whose weights changed computed
     again, and ``kept`` brought up to date): float32 ``[N, C, Ho, Wo]``, the same floats as :func:`depthwise_forward`
     with ``bias_last`` (``qt_depthwise_kept_output`` / ``_blocked``). ``out``: where to write it (contiguous, that
-    shape), or None (a new
-    tensor; on the plane layout ``kept.kept`` itself may be given: the outputs then replace the kept sums, which
-    are no longer valid). ``prepared``: the same layer's :func:`depthwise_prepare` (its planes read instead of
+    shape), or None (a new tensor; on the plane layout ``kept.kept`` itself may be given: the outputs then replace
+    the kept sums, which are no longer valid). ``prepared``: the same layer's :func:`depthwise_prepare` (its planes read instead of
     arranged again), or None.
 
     Raises:
@@ -867,8 +868,7 @@ def depthwise_direct(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, b
     gb = torch.empty(c, dtype=torch.float32) if bias_grad and grads else None
     sse = torch.empty(c, dtype=torch.float64) if want_sse else None  # (not summed in C without it)
     bias_c = None if bias is None else bias.contiguous()
-    if blocked is None:
-        blocked = wo < DIRECT_BLOCKED_MAX_WIDTH
+    blocked = _blocked_route(blocked, wo)
     work = b * c * ho * wo * kh * kw
     if blocked:  # GB channels per vector (qt_depthwise_direct_blocked)
         nblk = -(-c // _GB)
