@@ -14,11 +14,17 @@ autograd through the quantizers (``fast_finetune_autograd``, :data:`FT_VARIANTS`
 Writes ``OUT/gpu_e2e.json`` (per config: stage times, losses, node parity, CUDA-vs-CPU quantizer parity, and
 ``fingerprints``: SHA-256 digests of the calibration inputs and of the model's state after calibration, after the QAT
 steps and after each fast finetune, to find the stage where two runs on different machines part, plus the CUDA, cuDNN
-and driver versions) and prints one line per check; exits 1 if any check failed.
+and driver versions; ``tensor_digests``: the same per state-dict tensor after the QAT steps and each finetune, so two
+runs' JSON name the tensors that differ; ``fingerprint_differences``: the tensors in which each other finetune of the
+same state ends with other bits than the default one) and prints one line per check; exits 1 if any check failed.
+The QAT steps run under ``torch.use_deterministic_algorithms(True, warn_only=True)`` (``--nondeterministic-qat``
+turns that off); ``qat_nondeterministic_ops`` lists the warnings of the operations that have no deterministic
+implementation (the tenth GPU run's two processes gave the same QAT losses but other weights after them).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -64,6 +70,61 @@ def state_digest(module) -> str:
 def tensor_digest(t) -> str:
     """SHA-256 (hex, first 16 digits) of a tensor's dtype, shape and bytes."""
     return hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16]
+
+
+def tensor_digests(module) -> dict:
+    """Each state-dict tensor's SHA-256 (hex, first 12 digits: dtype, shape and bytes), by name: where two states
+    with different :func:`state_digest` part, and, recorded in two runs' JSON, which tensors differ between them."""
+    import torch
+
+    return {name: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:12]
+            for name, t in sorted(module.state_dict().items()) if isinstance(t, torch.Tensor)}
+
+
+def digest_differences(a: dict, b: dict, limit: int = 12) -> dict:
+    """The tensors whose :func:`tensor_digests` entries differ between ``a`` and ``b`` (or that only one holds):
+    ``{"count": n, "names": [first `limit` names in name order]}``."""
+    names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return {"count": len(names), "names": names[:limit]}
+
+
+class DeterministicAlgorithms:
+    """Context manager: ``torch.use_deterministic_algorithms(True, warn_only=True)`` and
+    ``torch.backends.cudnn.deterministic = True`` inside, both restored on exit. ``ops`` collects the distinct
+    warnings torch raises for operations with no deterministic implementation (each names the op): on CUDA,
+    where one run's QAT steps gave another run's losses but not its weights (tenth GPU run), these name the
+    operations that made the difference. cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` set before its first call
+    (:func:`main` sets ``:4096:8`` when the variable is unset)."""
+
+    def __init__(self):
+        self.ops: list = []
+
+    def __enter__(self):
+        import warnings
+
+        import torch
+
+        self._saved = (torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        self._catch = warnings.catch_warnings(record=True)
+        self._seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._catch.__exit__(*exc)
+        for w in self._seen:
+            msg = str(w.message).split("\n")[0][:240]
+            if "determinis" in msg and msg not in self.ops:
+                self.ops.append(msg)
+        enabled, warn_only, cudnn = self._saved
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.backends.cudnn.deterministic = cudnn
+        return False
 
 
 def library_versions() -> dict:
@@ -133,7 +194,8 @@ def profile_finetune(qm, calib, algorithm: str, iterations: int, path: str) -> d
 
 
 def run_config(model_path, config: str, calib, device: str, steps: int, ft_iterations: int = 20,
-               ft_cpu_baseline: bool = False, ft_profile: str = "", ft_algorithm: str = "auto") -> dict:
+               ft_cpu_baseline: bool = False, ft_profile: str = "", ft_algorithm: str = "auto",
+               deterministic_qat: bool = True) -> dict:
     import numpy as np
     import torch
 
@@ -155,28 +217,34 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     qo.learn_scales(qm)
     before = {k: v.detach().clone() for k, v in qm.onnx_parameters().items()}
     opt = torch.optim.Adam(qm.parameters(), lr=1e-5)
-    with torch.no_grad(), qo.fake_quant_disabled(qm):
-        teacher = qm(x)
-    teacher = teacher[0] if isinstance(teacher, tuple) else teacher
-    qm.train()
-    t = time.perf_counter()
-    losses = []
-    for _ in range(steps):
-        y = qm(x)
-        y = y[0] if isinstance(y, tuple) else y
-        loss = torch.nn.functional.mse_loss(y.float(), teacher.float())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    det = DeterministicAlgorithms() if deterministic_qat else contextlib.nullcontext()
+    with det:
+        with torch.no_grad(), qo.fake_quant_disabled(qm):
+            teacher = qm(x)
+        teacher = teacher[0] if isinstance(teacher, tuple) else teacher
+        qm.train()
+        t = time.perf_counter()
+        losses = []
+        for _ in range(steps):
+            y = qm(x)
+            y = y[0] if isinstance(y, tuple) else y
+            loss = torch.nn.functional.mse_loss(y.float(), teacher.float())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
     rec["qat_step_s"] = (time.perf_counter() - t) / max(1, steps)
+    rec["qat_deterministic"] = bool(deterministic_qat)
+    if deterministic_qat:
+        rec["qat_nondeterministic_ops"] = det.ops
     rec["qat_losses"] = losses
     changed = any(not torch.equal(before[k], v.detach()) for k, v in qm.onnx_parameters().items())
     rec["checks"]["qat_loss_finite"] = all(np.isfinite(losses))
     rec["checks"]["qat_parameters_changed"] = bool(changed) or steps == 0
     fp["after_qat"] = state_digest(qm)
+    digests = rec["tensor_digests"] = {"after_qat": tensor_digests(qm)}
     qm.eval()
     # sensitivity sweep on the device: each layer switched to INT8 (BFP16 for float configs) from its branch
     # point must give exactly the outputs of a full forward pass with that layer switched
@@ -211,20 +279,26 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
             qo.fast_finetune(twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False, **kw)
             rec[f"fast_finetune_{name}"] = _finetune_figures(twin.finetune_report)
             fp[f"fast_finetune_{name}"] = state_digest(twin)
+            digests[f"fast_finetune_{name}"] = tensor_digests(twin)
             del twin
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
     rec["fast_finetune_s"] = time.perf_counter() - t
     rec["fast_finetune"] = _finetune_figures(qm.finetune_report)
     fp["fast_finetune"] = state_digest(qm)
+    digests["fast_finetune"] = tensor_digests(qm)
     if cpu_twin is not None:
         qo.fast_finetune(cpu_twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
         rec["fast_finetune_cpu"] = _finetune_figures(cpu_twin.finetune_report)
         rec["fast_finetune_cpu"]["torch_threads"] = torch.get_num_threads()
         fp["fast_finetune_cpu"] = state_digest(cpu_twin)
+        digests["fast_finetune_cpu"] = tensor_digests(cpu_twin)
         rec["fast_finetune_loop_speedup_vs_cpu"] = (rec["fast_finetune_cpu"]["loop_s"]
                                                     / max(rec["fast_finetune"]["loop_s"], 1e-9))
         del cpu_twin
+    # which tensors each other finetune of the same state ends with other bits in (MemOptLevel 0 should be none)
+    rec["fingerprint_differences"] = {k: digest_differences(digests["fast_finetune"], v)
+                                      for k, v in digests.items() if k.startswith("fast_finetune_")}
     # export and ONNX Runtime (CPU) against the emulation on the device, node by node
     t = time.perf_counter()
     exported, qmap = qo.export(qm, None, return_map=True)
@@ -278,7 +352,13 @@ def main(argv=None) -> int:
                     help="also profile 10 fast finetune iterations (torch.profiler) into PREFIX_<config>.txt")
     ap.add_argument("--ft-cpu-baseline", action="store_true",
                     help="on CUDA, also time the same fast finetune on CPU (the GPU figure's baseline)")
+    ap.add_argument("--nondeterministic-qat", action="store_true",
+                    help="run the QAT steps with torch's default algorithms (by default they run under "
+                         "torch.use_deterministic_algorithms(True, warn_only=True), which records the operations "
+                         "that have no deterministic implementation)")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not args.nondeterministic_qat:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any CUDA work
     import torch
 
     from qtorch_onnx import zoo
@@ -306,11 +386,13 @@ def main(argv=None) -> int:
               "results": []}
     if args.device.startswith("cuda"):
         report["versions"] = library_versions()
+        report["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     ok = True
     for config in args.configs:
         try:
             rec = run_config(model_path, config, calib, args.device, args.steps, args.ft_iterations,
-                                 args.ft_cpu_baseline, args.ft_profile, args.ft_algorithm)
+                                 args.ft_cpu_baseline, args.ft_profile, args.ft_algorithm,
+                                 not args.nondeterministic_qat)
         except Exception as exc:  # report and go on with the next config
             rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["results"].append(rec)

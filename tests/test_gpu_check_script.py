@@ -71,6 +71,48 @@ def test_gpu_e2e_finetune_variants_on_cpu(tmp_path):
     assert set(fp) == {"calibration_inputs", "calibrated", "after_qat", "fast_finetune",
                        "fast_finetune_mem_opt_level_0", "fast_finetune_autograd"}, fp
     assert fp["fast_finetune_mem_opt_level_0"] == fp["fast_finetune"] != fp["after_qat"] != fp["calibrated"], fp
+    # per tensor: MemOptLevel 0 differs in none, autograd's finetune in some; the QAT ran deterministic (on CPU
+    # nothing warns)
+    diff = rec["fingerprint_differences"]
+    assert set(diff) == {"fast_finetune_mem_opt_level_0", "fast_finetune_autograd"}, diff
+    assert diff["fast_finetune_mem_opt_level_0"] == {"count": 0, "names": []}, diff
+    assert 0 < diff["fast_finetune_autograd"]["count"] and diff["fast_finetune_autograd"]["names"], diff
+    td = rec["tensor_digests"]
+    assert set(td) == {"after_qat", "fast_finetune", "fast_finetune_mem_opt_level_0", "fast_finetune_autograd"}
+    assert td["after_qat"].keys() == td["fast_finetune"].keys() and td["after_qat"] != td["fast_finetune"]
+    assert rec["qat_deterministic"] is True and rec["qat_nondeterministic_ops"] == [], rec
+
+
+def test_deterministic_algorithms_records_and_restores(tmp_path):
+    """gpu_e2e.DeterministicAlgorithms: deterministic algorithms and cuDNN's deterministic flag inside, the previous
+    settings after; the warnings about operations without a deterministic implementation recorded once each, other
+    warnings left out."""
+    import warnings
+
+    import torch
+
+    gpu_e2e, _ = _gpu_e2e_and_model(tmp_path)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
+    msg = "scatter_add_cuda_kernel does not have a deterministic implementation, but you set 'warn_only=True'"
+    with gpu_e2e.DeterministicAlgorithms() as det:
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        for text in (msg, msg, "an unrelated warning"):
+            warnings.warn(text)
+    assert det.ops == [msg], det.ops
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic) == before
+
+
+def test_digest_differences_names_the_tensors(tmp_path):
+    """gpu_e2e.tensor_digests / digest_differences name the one tensor whose bits changed."""
+    import torch
+
+    gpu_e2e, _ = _gpu_e2e_and_model(tmp_path)
+    m = torch.nn.Linear(3, 2)
+    a = gpu_e2e.tensor_digests(m)
+    with torch.no_grad():
+        m.weight.view(torch.int32)[1, 2] ^= 1
+    assert gpu_e2e.digest_differences(a, gpu_e2e.tensor_digests(m)) == {"count": 1, "names": ["weight"]}
+    assert gpu_e2e.digest_differences(a, a) == {"count": 0, "names": []}
 
 
 def test_state_digest_sees_one_bit(tmp_path):
