@@ -13,7 +13,8 @@
 #           kernels; then the same rows with ours on the device's CPU (one thread); about 5 minutes.
 # Then, with the device tool: run `bash .gpu/run.sh` with carry [".gpu"], timeout_s about 590 (440 s on an H200 on
 # 2026-11-26 14:20; 517 s at 17:48, 536 s at 22:49 and 575 s on 2026-11-27 14:13 on a 16-core Xeon host, where the
-# Triton tests alone took 248-304 s with 8 workers; 12 from session 27 on), and, in a second call if the budget
+# Triton tests alone took 248-304 s with 8 workers; 12 from session 27 on: 494 s in all, 254 s of Triton tests, on
+# 2026-11-27 18:49), and, in a second call if the budget
 # allows, `bash .gpu/run_ft.sh` (timeout_s 360; at 22:59 the warm-up and GPU rows took 164 s, and a 280 s limit cut
 # the one-thread CPU rows: 330 s of device time are left after the first call at best, so give the second call what
 # is left and expect the CPU rows to be cut).
