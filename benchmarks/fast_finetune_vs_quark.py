@@ -726,7 +726,9 @@ def main(argv=None) -> int:
                 _log(f"{row['name']} FixedSeed {sd}: Quark {entry.get('quark')} | ours {entry.get('ours')}")
         results["rows"].append(row)
         _log(f"{row['name']}: Quark {_fmt_side(q)} | ours {_fmt_side(o)}"
-             + (f" | ratio per layer-iteration {row['ratio']['per_layer_iteration']:.2f}x" if "ratio" in row else "")
+             + (f" | ratio per layer-iteration {row['ratio']['per_layer_iteration']:.2f}x"
+                + (f" (CPU seconds {row['ratio']['finetune_cpu']:.2f}x)" if row["ratio"].get("finetune_cpu") else "")
+                if "ratio" in row else "")
              + "".join(f" | {who} finetune s over {len(v['repeat_finetune_seconds'])} runs: "
                        + ", ".join(f"{t:.2f}" for t in v["repeat_finetune_seconds"])
                        for who, v in (("Quark's", q), ("ours'", o)) if len(v.get("repeat_finetune_seconds", ())) > 1))
@@ -809,7 +811,8 @@ def section(results: dict) -> str:
                 r = row["ratio"]
                 ratio = (f"{r['per_layer_iteration']:.2f}x per it. ({r['training_per_layer_iteration']:.2f}x training, "
                          f"{_f(r.get('iterations_alone'), '{:.1f}')}x iterations alone), "
-                         f"{r['finetune']:.2f}x finetune, {r['whole_call']:.2f}x call")
+                         f"{r['finetune']:.2f}x finetune, {r['whole_call']:.2f}x call"
+                         + (f", {r['finetune_cpu']:.2f}x finetune CPU s" if r.get("finetune_cpu") else ""))
             lo = v["loadavg"]
             lines.append(
                 f"| {first} | {label} | {_f(v.get('rel_error'))} ({_f(v.get('rel_error_ort_optimized'))}) | "
