@@ -397,8 +397,8 @@ def main(argv=None) -> int:
             rec = {"config": config, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         report["results"].append(rec)
         ok &= rec["ok"]
-        print(f"{'PASS' if rec['ok'] else 'FAIL'} {config}: " + json.dumps({k: v for k, v in rec.items()
-                                                                         if k not in ("config", "ok")}, default=str))
+        shown = {k: v for k, v in rec.items() if k not in ("config", "ok", "tensor_digests")}  # digests: JSON only
+        print(f"{'PASS' if rec['ok'] else 'FAIL'} {config}: " + json.dumps(shown, default=str))
     with open(os.path.join(args.out, "gpu_e2e.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     return 0 if ok else 1
