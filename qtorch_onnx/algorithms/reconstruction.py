@@ -1455,6 +1455,14 @@ POINTWISE_MIN_PLANE = 64
 #: their sum (one thread, B = 2: 1152 <- 192 on 7x7 1.07 -> 0.76 ms, 1280 <- 320 on 7x7 2.13 -> 1.26, 672 <- 112 on
 #: 14x14 1.05 -> 0.92; on 112x112 planes the two ways cost the same)
 KEPT_CONCAT_MAX_PLANE = 1024
+#: AdaQuant's 1x1 layers with kept outputs on planes above KEPT_CONCAT_MAX_PLANE (and at least as many positions as
+#: input channels): keep each sample's weight-gradient product and bias sums, and on its next visit compute again only
+#: the output rows whose quantized weight row or bias changed since. A row of the output, and so of its residual and
+#: gradient, depends on its own weight row and bias only; EfficientNet-Lite0 AdaQuant 50 changes 1.4 % of the stem's
+#: rows between two visits of a sample, 8.5 % of blocks.1's expansion, 35 % of blocks.2-3's. Iterations that read the
+#: loss compute every row (the loss sums across rows). The rows' products come from the libraries' product of those
+#: rows, whose float rounding may differ from the whole product's (:meth:`DirectLayerLoss._kept_gradient`).
+KEPT_GRADIENT = True
 #: AdaQuant's kept outputs for a Conv2d that is not 1x1 (groups 1): its input unfolded once into columns ``[N, C kh kw,
 #: Ho, Wo]`` and the layer trained as a 1x1 convolution of them, where the columns take at most this many times the
 #: target's bytes (a network's stem, whose few input channels make the columns smaller than its output:
@@ -1593,6 +1601,8 @@ class DirectLayerLoss:
         self._dwk: Optional[cpu_steps.DepthwiseKept] = None
         self.incremental = bool(incremental and self.pointwise)
         self._p0: Optional[torch.Tensor] = None  # [N, O, H * W]: conv(x, self._w0), no bias
+        self._p0_epoch = 0  # counts the times self._p0 was computed afresh or given up (kept gradients' validity)
+        self._kgrad: Optional[dict] = None  # KEPT_GRADIENT: each sample's gradient rows and what they were computed with
         self._xg: Optional[torch.Tensor] = None  # [C, B, H * W]: the mini-batch's input rows (by_channel steps)
         self._workspace: dict = {}  # depthwise: the C kernel's scratch buffers, kept between steps
         self._w0: Optional[torch.Tensor] = None  # [O, C]: the weight self._p0 holds the outputs of
@@ -1710,6 +1720,7 @@ class DirectLayerLoss:
                 return self._p0
         if self._p0 is None:
             self._p0 = torch.empty(n, o, p, dtype=torch.float32)
+        self._p0_epoch += 1
         for i in range(n):
             matmul_nt(w2, xv[i].t(), out=self._p0[i])
         self._w0 = w2.clone()
@@ -1832,6 +1843,9 @@ class DirectLayerLoss:
                 bias_last=self.kept_depthwise)
             return gw, gb, (sse * f if want_loss else None)
         gb, by_channel = None, False
+        if KEPT_GRADIENT and self.incremental and self.fused and self.pointwise and not want_loss \
+                and KEPT_CONCAT_MAX_PLANE < math.prod(self.x.shape[2:]) >= self.x.shape[1]:
+            return self._kept_gradient(ids, weight, bias, 2.0 * f)
         if self.incremental and self.fused:  # the kept outputs' rows, the bias, the residual and its sums in one pass
             p0 = self._track(weight, ids.tolist())
             o, p = p0.shape[1], p0.shape[2]
@@ -1878,6 +1892,74 @@ class DirectLayerLoss:
             gb = g.reshape(-1, g.shape[-1]).sum(0) if self.linear else g.sum([0] + list(range(2, g.dim())))
         return gw, gb, (sse * f if want_loss else None)
 
+    def _kept_gradient(self, ids: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gscale: float):
+        """:meth:`gradient` without the loss, from kept per-sample gradient rows (KEPT_GRADIENT): for each sample of
+        ``ids`` (int64 ``[B]``), the output rows whose quantized weight row (``weight``, float32 ``[O, C, 1, 1]``) or
+        bias (float32 ``[O]``; None: the fixed one) changed since its last visit are computed again (their residual
+        by :func:`cpu_steps.act_residual_kept` on the gathered rows, their ``[rows, C]`` product), the others read;
+        every row when more than half changed, on a sample's first visit, or after the kept outputs were computed
+        afresh or given up. ``gscale``: the residual's factor (2 f). The residual's elements and each row's bias sum
+        are those of the whole pass bit for bit; a product of a few rows may round differently from the same rows of
+        the whole product (measured: at 1-13 rows on EfficientNet-Lite0's shapes), so the float weights may differ
+        at rounding level from :meth:`gradient`'s whole pass (the finetunes of the benchmark's rows export the same
+        bytes either way). Memory: ``[N, O, C]`` float32 twice and ``[N, O]`` float64 and float32. Returns
+        ``(gw, gb, None)`` as :meth:`gradient`."""
+        p0 = self._track(weight, ids.tolist())
+        n, o, p = p0.shape
+        c = self.x.shape[1]
+        w2 = weight.detach().reshape(o, c)
+        b = self.bias if bias is None else bias
+        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+            b = b.detach().to(torch.float32).contiguous()
+        sums = bias is not None
+        k = self._kgrad
+        if k is None or k["epoch"] != self._p0_epoch or k["scale"] != gscale or k["sums"] != sums:
+            k = self._kgrad = {"epoch": self._p0_epoch, "scale": gscale, "sums": sums, "valid": [False] * n,
+                               "g": torch.empty(n, o, c), "gs": torch.zeros(n, o, dtype=torch.float64),
+                               "w": torch.empty(n, o, c), "b": torch.empty(n, o)}
+        zero = torch.zeros(1, dtype=torch.int64)
+        xv = self.x.view(n, c, p)
+        tv = self.target.view(n, o, p)
+        for i in ids.tolist():
+            rows = None
+            if k["valid"][i]:
+                changed = (w2 != k["w"][i]).any(1)
+                if b is not None:
+                    changed |= b != k["b"][i]
+                rows = changed.nonzero().flatten()
+                if rows.numel() == 0:
+                    continue
+                if 2 * rows.numel() > o:
+                    rows = None
+            if rows is None:  # every row
+                g = self._buffer((1, o, p))
+                _, gsum = cpu_steps.act_residual_kept(p0, torch.tensor([i], dtype=torch.int64), b, g, self.target,
+                                                      self.lo, self.hi, self.wlo, self.whi, gscale, sums,
+                                                      want_sse=False)
+                matmul_nt(g[0], xv[i], out=k["g"][i])
+                if sums:
+                    k["gs"][i] = gsum[0]
+            else:
+                pr = p0[i].index_select(0, rows).unsqueeze(0)
+                tr = tv[i].index_select(0, rows).unsqueeze(0)
+                br = b.index_select(0, rows) if b is not None else None
+                g = torch.empty(1, rows.numel(), p)
+                _, gsum = cpu_steps.act_residual_kept(pr, zero, br, g, tr, self.lo, self.hi, self.wlo, self.whi,
+                                                      gscale, sums, want_sse=False)
+                k["g"][i].index_copy_(0, rows, matmul_nt(g[0], xv[i]))
+                if sums:
+                    k["gs"][i].index_copy_(0, rows, gsum[0])
+            k["w"][i].copy_(w2)
+            if b is not None:
+                k["b"][i].copy_(b)
+            k["valid"][i] = True
+        idl = ids.tolist()
+        gw = k["g"][idl[0]].clone()
+        for i in idl[1:]:
+            gw.add_(k["g"][i])
+        gb = k["gs"][idl].sum(0).to(torch.float32) if sums else None
+        return gw.reshape(weight.shape), gb, None
+
     def _current(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The module's current quantized weight and bias (through its quantizers), float32, detached."""
         m = self.module
@@ -1920,6 +2002,7 @@ class DirectLayerLoss:
         """The kept outputs (``[N, O, H * W]`` float32, :meth:`_track`) given up for the caller to write into, or
         None when none are kept. The loss forgets them: a later step or :meth:`value` computes them again."""
         p0, self._p0, self._w0, self._pending = self._p0, None, None, None
+        self._p0_epoch += 1
         self._dwk = None  # (a depthwise layer's kept planes: forgotten, none given)
         self._reset_log(0)
         return p0

@@ -1839,6 +1839,75 @@ def test_direct_loss_incremental_follows_sparse_weight_changes(monkeypatch, fuse
 
 
 
+@pytest.mark.parametrize("train_bias", [False, True], ids=["fixed-bias", "trained-bias"])
+def test_kept_gradient_rows_recompute_only_what_changed(monkeypatch, train_bias):
+    """KEPT_GRADIENT: on a 1x1 Conv2d whose planes exceed KEPT_CONCAT_MAX_PLANE, the gradient without the loss keeps
+    each sample's gradient rows and computes again only the rows whose weight row or bias changed since the
+    sample's last visit (every row on a first visit, after a dense change that recomputes the kept outputs, or when
+    more than half changed). Over sparse changes, no change, a bias step, a dense change and sparse ones again, the
+    weight gradient is the whole pass's to float rounding and the bias gradient its bits; iterations that want the
+    loss take the whole pass."""
+    from qtorch_onnx.algorithms import cpu_steps, reconstruction
+    from qtorch_onnx.algorithms.reconstruction import DirectLayerLoss, activation_clamp
+    from qtorch_onnx.lift.ops_math import OnnxClip
+
+    if not cpu_steps.available():
+        pytest.skip("no C compiler: the fused CPU steps are not built")
+    gen = torch.Generator().manual_seed(5)
+    m = torch.nn.Conv2d(6, 10, 1, bias=True)
+    x = torch.randn(4, 6, 36, 32, generator=gen)  # 1152 positions: above KEPT_CONCAT_MAX_PLANE
+    assert 36 * 32 > reconstruction.KEPT_CONCAT_MAX_PLANE
+    clamp = activation_clamp(OnnxClip(0.0, 0.5, baked=True))
+    with torch.no_grad():
+        target = m(x).clamp(0.0, 0.5) + 0.05 * torch.randn(4, 10, 36, 32, generator=gen)
+    bias = m.bias.detach().clone()
+    kept = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    whole = DirectLayerLoss(m, x, target, clamp, bias, incremental=True)
+    assert kept.incremental and kept.fused
+    kept.value(), whole.value()  # the kept outputs
+    rows_computed = []
+    orig = cpu_steps.act_residual_kept
+
+    def counting(p0, idx, *args, **kw):
+        rows_computed.append(p0.shape[1] * idx.numel())
+        return orig(p0, idx, *args, **kw)
+
+    monkeypatch.setattr(cpu_steps, "act_residual_kept", counting)
+    w = m.weight.detach().clone()
+    b = bias.clone() if train_bias else None
+    # (weight entries moved, bias step, expected rows computed for the two samples; None: not checked)
+    # (sample 0's rows {0, 7} again and sample 2's first visit; sample 0's row 5 and sample 3's first; row 2 of both)
+    plan = [([], False, 20), ([(0, 1), (0, 5), (7, 2)], False, 2 + 10), ([], False, 0), ([(3, 3)], True, None),
+            ("dense", False, 20), ([(5, 0)], False, 1 + 10), ([(2, 4), (2, 5)], False, 1 + 1)]
+    for step, (change, bias_step, expect) in enumerate(plan):
+        if change == "dense":
+            w += 0.01 * torch.randn(w.shape, generator=gen)
+        else:
+            for o, c in change:
+                w[o, c, 0, 0] += 0.03
+        if bias_step and b is not None:
+            b[4] += 0.01
+        idx = [[0, 1], [0, 2], [0, 2], [1, 2], [0, 1], [0, 3], [0, 3]][step]
+        rows_computed.clear()
+        monkeypatch.setattr(reconstruction, "KEPT_GRADIENT", True)
+        gk, gbk, lk = kept.gradient(idx, w, 0.5, bias=b, want_loss=False)
+        if expect is not None:
+            assert sum(rows_computed) == expect, (step, rows_computed)
+        monkeypatch.setattr(reconstruction, "KEPT_GRADIENT", False)
+        gw, gbw, _ = whole.gradient(idx, w, 0.5, bias=b, want_loss=False)
+        assert lk is None
+        torch.testing.assert_close(gk, gw, rtol=1e-5, atol=1e-7)
+        if b is not None:
+            assert torch.equal(gbk, gbw), step
+        else:
+            assert gbk is None and gbw is None
+    # wanting the loss: the whole pass (every row of both samples), the same as without kept rows
+    monkeypatch.setattr(reconstruction, "KEPT_GRADIENT", True)
+    rows_computed.clear()
+    gk, _, lk = kept.gradient([1, 3], w, 0.5, bias=b)
+    assert sum(rows_computed) == 20 and lk is not None
+
+
 @pytest.mark.parametrize("width", [32, 12], ids=["planes", "channel_blocks"])
 def test_direct_loss_keeps_depthwise_planes_with_the_same_bits(monkeypatch, width):
     """DirectLayerLoss(incremental=True) on a depthwise Conv2d keeps every sample's output planes (kept_depthwise):
