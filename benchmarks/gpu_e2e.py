@@ -55,16 +55,24 @@ def _tensor_bytes(t) -> bytes:
     return head + (t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+def state_digests(module) -> tuple:
+    """``(state_digest(module), tensor_digests(module))`` from one pass over the state dict (each tensor copied to
+    the host once)."""
+    import torch
+
+    h, per = hashlib.sha256(), {}
+    for name, t in sorted(module.state_dict().items()):
+        if isinstance(t, torch.Tensor):
+            data = _tensor_bytes(t)
+            h.update(name.encode() + b"|" + data)
+            per[name] = hashlib.sha256(data).hexdigest()[:12]
+    return h.hexdigest()[:16], per
+
+
 def state_digest(module) -> str:
     """SHA-256 (hex, first 16 digits) of ``module``'s state dict: every tensor's name, dtype, shape and bytes, in
     name order. Two runs whose digests agree hold the same bits."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        if isinstance(t, torch.Tensor):
-            h.update(name.encode() + b"|" + _tensor_bytes(t))
-    return h.hexdigest()[:16]
+    return state_digests(module)[0]
 
 
 def tensor_digest(t) -> str:
@@ -75,10 +83,7 @@ def tensor_digest(t) -> str:
 def tensor_digests(module) -> dict:
     """Each state-dict tensor's SHA-256 (hex, first 12 digits: dtype, shape and bytes), by name: where two states
     with different :func:`state_digest` part, and, recorded in two runs' JSON, which tensors differ between them."""
-    import torch
-
-    return {name: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:12]
-            for name, t in sorted(module.state_dict().items()) if isinstance(t, torch.Tensor)}
+    return state_digests(module)[1]
 
 
 def digest_differences(a: dict, b: dict, limit: int = 12) -> dict:
@@ -243,8 +248,8 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
     changed = any(not torch.equal(before[k], v.detach()) for k, v in qm.onnx_parameters().items())
     rec["checks"]["qat_loss_finite"] = all(np.isfinite(losses))
     rec["checks"]["qat_parameters_changed"] = bool(changed) or steps == 0
-    fp["after_qat"] = state_digest(qm)
-    digests = rec["tensor_digests"] = {"after_qat": tensor_digests(qm)}
+    digests = rec["tensor_digests"] = {}
+    fp["after_qat"], digests["after_qat"] = state_digests(qm)
     qm.eval()
     # sensitivity sweep on the device: each layer switched to INT8 (BFP16 for float configs) from its branch
     # point must give exactly the outputs of a full forward pass with that layer switched
@@ -278,21 +283,18 @@ def run_config(model_path, config: str, calib, device: str, steps: int, ft_itera
             twin = copy.deepcopy(qm)
             qo.fast_finetune(twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False, **kw)
             rec[f"fast_finetune_{name}"] = _finetune_figures(twin.finetune_report)
-            fp[f"fast_finetune_{name}"] = state_digest(twin)
-            digests[f"fast_finetune_{name}"] = tensor_digests(twin)
+            fp[f"fast_finetune_{name}"], digests[f"fast_finetune_{name}"] = state_digests(twin)
             del twin
     t = time.perf_counter()
     qo.fast_finetune(qm, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
     rec["fast_finetune_s"] = time.perf_counter() - t
     rec["fast_finetune"] = _finetune_figures(qm.finetune_report)
-    fp["fast_finetune"] = state_digest(qm)
-    digests["fast_finetune"] = tensor_digests(qm)
+    fp["fast_finetune"], digests["fast_finetune"] = state_digests(qm)
     if cpu_twin is not None:
         qo.fast_finetune(cpu_twin, calib, algorithm=algo, num_iterations=ft_iterations, progress=False)
         rec["fast_finetune_cpu"] = _finetune_figures(cpu_twin.finetune_report)
         rec["fast_finetune_cpu"]["torch_threads"] = torch.get_num_threads()
-        fp["fast_finetune_cpu"] = state_digest(cpu_twin)
-        digests["fast_finetune_cpu"] = tensor_digests(cpu_twin)
+        fp["fast_finetune_cpu"], digests["fast_finetune_cpu"] = state_digests(cpu_twin)
         rec["fast_finetune_loop_speedup_vs_cpu"] = (rec["fast_finetune_cpu"]["loop_s"]
                                                     / max(rec["fast_finetune"]["loop_s"], 1e-9))
         del cpu_twin

@@ -1904,7 +1904,8 @@ class DirectLayerLoss:
         at rounding level from :meth:`gradient`'s whole pass (the finetunes of the benchmark's rows export the same
         bytes either way). Memory: ``[N, O, C]`` float32 twice and ``[N, O]`` float64 and float32. Returns
         ``(gw, gb, None)`` as :meth:`gradient`."""
-        p0 = self._track(weight, ids.tolist())
+        idl = ids.tolist()
+        p0 = self._track(weight, idl)
         n, o, p = p0.shape
         c = self.x.shape[1]
         w2 = weight.detach().reshape(o, c)
@@ -1920,7 +1921,7 @@ class DirectLayerLoss:
         zero = torch.zeros(1, dtype=torch.int64)
         xv = self.x.view(n, c, p)
         tv = self.target.view(n, o, p)
-        for i in ids.tolist():
+        for i in idl:
             rows = None
             if k["valid"][i]:
                 changed = (w2 != k["w"][i]).any(1)
@@ -1931,8 +1932,12 @@ class DirectLayerLoss:
                     continue
                 if 2 * rows.numel() > o:
                     rows = None
-            if rows is None:  # every row
-                g = self._buffer((1, o, p))
+            if rows is None:  # every row, into the whole pass's residual buffer where it is large enough (the
+                # loss-reading iterations' [B, O, P]: not given up and allocated again at each switch of path)
+                buf = self._out
+                if buf is None or not buf.is_contiguous() or buf.numel() < o * p:
+                    buf = self._buffer((1, o, p))
+                g = buf.view(-1)[: o * p].view(1, o, p)
                 _, gsum = cpu_steps.act_residual_kept(p0, torch.tensor([i], dtype=torch.int64), b, g, self.target,
                                                       self.lo, self.hi, self.wlo, self.whi, gscale, sums,
                                                       want_sse=False)
@@ -1953,7 +1958,6 @@ class DirectLayerLoss:
             if b is not None:
                 k["b"][i].copy_(b)
             k["valid"][i] = True
-        idl = ids.tolist()
         gw = k["g"][idl[0]].clone()
         for i in idl[1:]:
             gw.add_(k["g"][i])
