@@ -83,7 +83,6 @@ def test_section_names_the_thread_protocol():
     assert "finetune: 1;" in bench.section(dict(base, quark_ort_threads=1))
 
 
-
 def test_judge_on_seeds_uses_the_mean_and_skips_incomplete_rows():
     bench = _module("fast_finetune_vs_quark")
     # the default seed alone would miss (0.3016 > 0.3001); the mean over four seeds meets the target
