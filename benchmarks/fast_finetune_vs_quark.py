@@ -327,6 +327,7 @@ def run_ours(model: str, setting: str, ft: Optional[dict], calib, out: Path, tim
         rec["loop_cpu_seconds"] = sum(r.loop_cpu_seconds for r in rep.layers)
         rec["quadratic_layers"] = sum("quadratic loss" in r.note for r in rep.layers)
         rec["stage_times"] = dict(q.quantized_model.stage_times)
+        rec["numerics"] = dict(rep.numerics)  # what the bits depend on: torch's CPU capability, threads, pins
         rep.save(str(out))
     return rec
 

@@ -51,6 +51,7 @@ from ..precision import float32_exact
 from .adaquant import AdaQuantStep, adaquant_step
 from . import cpu_steps
 from .cpu_steps import AdamMoments
+from .gemm import cpu_numerics
 from .adaround import AdaRoundRounding, AdaRoundStep, _fixed_qparams, beta_schedule
 from .reconstruction import (DirectLayerLoss, QuadraticLayerLoss, StagedExecutor, _elementwise_into, activation_clamp,
                              float_twin, in_graph_order, output_sse, reference_twin, sample_count,
@@ -94,6 +95,8 @@ class FinetuneReport:
     device: str = "cpu"
     samples: int = 0
     peak_cached_bytes: int = 0
+    #: what the run's float bits depend on beyond code and data (:func:`~qtorch_onnx.algorithms.gemm.cpu_numerics`)
+    numerics: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -381,7 +384,7 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
     qm.to(device)
     report = FinetuneReport(algorithm=s.optim_algorithm, settings={k: (list(v) if isinstance(v, tuple) else v)
                                                                     for k, v in asdict(s).items()},
-                            device=str(device), samples=n_samples)
+                            device=str(device), samples=n_samples, numerics=cpu_numerics())
     nodes, targets = in_graph_order(qm, targets)
     # the float reference: the RefModelPath model; else qm's own modules with quantization off (no copy of the
     # model), or a float copy where a node reads what a finetuned layer changes (shared modules or initializers)

