@@ -122,3 +122,26 @@ def test_benchmark_refuses_unknown_seed_settings(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--seeds", "2", "--seed-settings", "BFP61"])
     assert "--seed-settings: unknown setting(s) BFP61; valid:" in capsys.readouterr().err
+
+
+def test_quark_model_outputs_falls_back_to_the_workers_outputs(tmp_path):
+    bench = _module("fast_finetune_vs_quark")
+    samples = [{"x": np.full((2, 3), v, dtype=np.float32)} for v in (-1.0, 2.0)]
+    plain = tmp_path / "plain.onnx"
+    plain.write_bytes(_model_bytes())
+    got = bench.quark_model_outputs(str(plain), str(tmp_path / "absent.npz"), samples)
+    assert [y.tolist() for y in got] == [[[0.0] * 3] * 2, [[2.0] * 3] * 2]  # the Relu, run here
+    # an operator plain ONNX Runtime does not register: the outputs Quark's worker saved
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    node = helper.make_node("BFPQuantizeDequantize", ["x"], ["y"], domain="com.amd.quark")
+    custom = tmp_path / "custom.onnx"
+    custom.write_bytes(helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                                         opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.amd.quark", 1)]).SerializeToString())
+    saved = tmp_path / "quark.outputs.npz"
+    np.savez(saved, y0=np.ones((2, 3), np.float32), y1=np.zeros((2, 3), np.float32))
+    got = bench.quark_model_outputs(str(custom), str(saved), samples)
+    assert [y.tolist() for y in got] == [[[1.0] * 3] * 2, [[0.0] * 3] * 2]
+    with pytest.raises(RuntimeError, match="saved no outputs at"):
+        bench.quark_model_outputs(str(custom), str(tmp_path / "absent.npz"), samples)
