@@ -190,8 +190,13 @@ def quark_model_outputs(model_path: str, outputs_path: str, samples) -> List[np.
         if not os.path.isfile(outputs_path):
             raise RuntimeError(f"plain ONNX Runtime cannot run {model_path} ({type(exc).__name__}: {exc}) and Quark's "
                                f"worker saved no outputs at {outputs_path}") from exc
-        with np.load(outputs_path) as z:
-            return [z[f"y{i}"] for i in range(len(samples))]
+        return worker_outputs(outputs_path, len(samples))
+
+
+def worker_outputs(path: str, count: int) -> List[np.ndarray]:
+    """The ``count`` outputs Quark's worker saved under Quark's runtime (``y0``, ``y1``, ... in ``path``)."""
+    with np.load(path) as z:
+        return [z[f"y{i}"] for i in range(count)]
 
 
 def save_data(path: Path, samples, names) -> None:
@@ -686,8 +691,7 @@ def main(argv=None) -> int:
         if q.get("ok") and not recorded:
             qy = None
             if os.path.isfile(qrun["outputs"]):
-                with np.load(qrun["outputs"]) as z:
-                    qy = [z[f"y{i}"] for i in range(len(d["evals"]))]
+                qy = worker_outputs(qrun["outputs"], len(d["evals"]))
             try:
                 here = plain_outputs(qrun["out"], d["evals"])
                 q["runtime"] = "plain ONNX Runtime (this environment)"

@@ -27,7 +27,7 @@ import torch
 
 from .cache import cache_root, file_lock
 
-__all__ = ["compiler", "cpu_id", "build", "load", "thread_pool", "split", "FLAGS", "NATIVE"]
+__all__ = ["compiler", "cpu_id", "cpu_model", "build", "load", "thread_pool", "split", "FLAGS", "NATIVE"]
 
 #: flags of every build: IEEE arithmetic kept (no -ffast-math), errno and traps off so loops vectorize
 FLAGS: List[str] = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99", "-shared", "-fPIC"]
@@ -43,14 +43,26 @@ def compiler() -> Optional[str]:
     return None
 
 
-def cpu_id() -> str:
-    """What ``-march=native`` depends on: the CPU model and feature flags (Linux), else the platform."""
+def _cpuinfo(*keys: str) -> Optional[List[str]]:
+    """The distinct ``/proc/cpuinfo`` lines starting with one of ``keys``, sorted; None where there is no such file
+    (not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
+            return sorted({ln for ln in f.read().splitlines() if ln.startswith(keys)})
     except OSError:
-        return platform.processor() or platform.machine()
+        return None
+
+
+def cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU model and feature flags (Linux), else the platform."""
+    lines = _cpuinfo("model name", "flags")
+    return "\n".join(lines) if lines is not None else (platform.processor() or platform.machine())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else the platform's processor or machine."""
+    lines = _cpuinfo("model name")
+    return lines[0].split(":", 1)[1].strip() if lines else (platform.processor() or platform.machine())
 
 
 def build(cc: str, source: Path, name: str, flags: Sequence[str] = FLAGS, native: Sequence[str] = NATIVE) -> Path:

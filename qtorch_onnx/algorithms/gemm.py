@@ -122,14 +122,10 @@ def cpu_numerics() -> dict:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # an older torch without the query
         capability = None
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
+    from ..native import cpu_model
+
     return {"torch": torch.__version__, "torch_cpu_capability": capability, "torch_threads": torch.get_num_threads(),
-            "gemm_policy": _policy(), "gemm_onednn": onednn_available(), "cpu": cpu,
+            "gemm_policy": _policy(), "gemm_onednn": onednn_available(), "cpu": cpu_model(),
             "isa_pins": {k: os.environ[k] for k in ISA_PINS if os.environ.get(k)}}
 
 
