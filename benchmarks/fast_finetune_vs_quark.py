@@ -476,12 +476,28 @@ def judge_on_seeds(row: dict) -> None:
     ``row["targets"]["accuracy_at_least_quark_seed_mean"]``. At 16 calibration images the seed moves a row's error
     by more than the two tools differ (docs/benchmarks.md, "Why EfficientNet-Lite0 AdaQuant 50 lands on either side
     of Quark"), so one seed's comparison is a coin toss that the mean is not. Nothing is set when a seed is
-    missing on either side."""
+    missing on either side.
+
+    ``seed_means`` also gives each side's sample standard deviation over the seeds (``quark_std``, ``ours_std``)
+    and ``p_ours_lower``: the one-sided p-value of an exact two-sample permutation test (``scipy.stats.
+    permutation_test``, independent samples, statistic mean(ours) - mean(Quark), alternative "less") of the
+    hypothesis that ours' errors are no lower than Quark's. The two tools draw their mini-batches from different
+    random streams, so a FixedSeed does not pair one tool's run with the other's, and the test treats the
+    seeds as two independent samples. It is exact: every split of the 2n errors into two groups of n is
+    enumerated (n = 8 gives 12,870)."""
+    from scipy import stats
+
     runs = row.get("seed_runs") or []
     if len(runs) < 2 or any(e.get(side) is None for e in runs for side in ("quark", "ours")):
         return
-    means = {side: float(np.mean([e[side] for e in runs])) for side in ("quark", "ours")}
-    row["seed_means"] = dict(means, seeds=len(runs), ours_lower_on=sum(e["ours"] < e["quark"] for e in runs))
+    vals = {side: np.array([e[side] for e in runs], dtype=np.float64) for side in ("quark", "ours")}
+    means = {side: float(v.mean()) for side, v in vals.items()}
+    test = stats.permutation_test((vals["ours"], vals["quark"]), lambda a, b, axis: a.mean(axis) - b.mean(axis),
+                                  permutation_type="independent", alternative="less", vectorized=True,
+                                  n_resamples=np.inf)
+    row["seed_means"] = dict(means, seeds=len(runs), ours_lower_on=sum(e["ours"] < e["quark"] for e in runs),
+                             quark_std=float(vals["quark"].std(ddof=1)), ours_std=float(vals["ours"].std(ddof=1)),
+                             p_ours_lower=float(test.pvalue))
     if "targets" in row:
         row["targets"]["accuracy_at_least_quark_seed_mean"] = bool(means["ours"] <= means["quark"])
 
@@ -906,7 +922,10 @@ def section(results: dict) -> str:
         lines += ["", f"{row['name']}, output rel. error per seed: " + "; ".join(cells)
                   + f". Mean over seeds: Quark {means[0]}, ours {means[1]}"
                   + (f"; ours lower on {sm['ours_lower_on']} of {sm['seeds']} seeds, accuracy target on the mean: "
-                     + ("met" if sm["ours"] <= sm["quark"] else "missed") if sm else "") + "."]
+                     + ("met" if sm["ours"] <= sm["quark"] else "missed")
+                     + (f" (standard deviation over seeds: Quark {sm['quark_std']:.4f}, ours {sm['ours_std']:.4f}; "
+                        f"exact permutation test of ours lower: p = {sm['p_ours_lower']:.3g})"
+                        if "p_ours_lower" in sm else "") if sm else "") + "."]
     if results["skipped"]:
         lines += ["", "Skipped (time budget): " + "; ".join(results["skipped"])]
     p = results.get("profile")

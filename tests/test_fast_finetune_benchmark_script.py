@@ -94,10 +94,15 @@ def test_judge_on_seeds_uses_the_mean_and_skips_incomplete_rows():
     assert row["targets"]["accuracy_at_least_quark"] is False  # the default seed's verdict stays as it was
     assert row["seed_means"]["seeds"] == 4 and row["seed_means"]["ours_lower_on"] == 3
     assert row["seed_means"]["ours"] == pytest.approx(np.mean([e["ours"] for e in runs]))
+    assert row["seed_means"]["quark_std"] == pytest.approx(np.std([e["quark"] for e in runs], ddof=1))
+    # exact permutation test: of the 70 ways to split the 8 errors into two groups of 4, two give a group whose
+    # mean is as far below the other's as ours is (ours' own split, and the one swapping 0.3016 for 0.3001)
+    assert row["seed_means"]["p_ours_lower"] == pytest.approx(2 / 70)
     worse = {"seed_runs": [{"seed": 0, "quark": 0.30, "ours": 0.31}, {"seed": 1, "quark": 0.30, "ours": 0.295}],
              "targets": {}}
     bench.judge_on_seeds(worse)
     assert worse["targets"]["accuracy_at_least_quark_seed_mean"] is False
+    assert worse["seed_means"]["p_ours_lower"] > 0.5
     # a seed that failed on either side: no verdict on the mean
     broken = {"seed_runs": [dict(runs[0]), {"seed": 1, "quark": None, "ours": 0.29}], "targets": {}}
     bench.judge_on_seeds(broken)
@@ -145,3 +150,17 @@ def test_quark_model_outputs_falls_back_to_the_workers_outputs(tmp_path):
     assert [y.tolist() for y in got] == [[[1.0] * 3] * 2, [[0.0] * 3] * 2]
     with pytest.raises(RuntimeError, match="saved no outputs at"):
         bench.quark_model_outputs(str(custom), str(tmp_path / "absent.npz"), samples)
+
+
+def test_section_prints_the_seed_spread_and_the_permutation_test():
+    bench = _module("fast_finetune_vs_quark")
+    runs = [{"seed": 0, "quark": 0.30, "ours": 0.29}, {"seed": 1, "quark": 0.31, "ours": 0.28},
+            {"seed": 2, "quark": 0.32, "ours": 0.27}]
+    row = {"name": "m A8W8 adaquant 50", "seed_runs": runs, "targets": {},
+           "quark": {"ok": False, "error": "not run"}, "ours": {"ok": False, "error": "not run"}}
+    bench.judge_on_seeds(row)
+    text = bench.section({"machine": "m", "versions": {"torch_threads": 1, "torch": "t"}, "batch_size": 2,
+                          "date": "d", "models": {}, "rows": [row], "skipped": []})
+    # the three lowest of six errors are all ours: 1 split of 20 is as extreme
+    assert "ours lower on 3 of 3 seeds, accuracy target on the mean: met (standard deviation over seeds: " \
+           "Quark 0.0100, ours 0.0100; exact permutation test of ours lower: p = 0.05)" in text
