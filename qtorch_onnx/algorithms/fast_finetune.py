@@ -459,6 +459,48 @@ def fast_finetune(qm, data: Any, settings: Any = None, *, algorithm: Optional[st
 DIVERGENCE_CHECK = 10
 
 
+def minibatch_indices(gen: torch.Generator, count: int, n: int, batch_size: int) -> torch.Tensor:
+    """``count`` mini-batches of ``batch_size`` distinct sample indices each, drawn from ``gen``.
+
+    Within a mini-batch the samples are drawn without replacement (a mini-batch of BatchSize 2 is two different
+    samples, as in Quark 0.13's ``torch.randperm(n)[:BatchSize]`` per iteration and a shuffled DataLoader's
+    batches); across mini-batches with replacement (each is drawn afresh). Every ordered tuple of distinct
+    indices is equally likely.
+
+    Args:
+        gen: the CPU generator (FixedSeed plus the layer's index); its state advances.
+        count: mini-batches to draw (NumIterations x NumBatches), >= 0.
+        n: samples to draw from, >= ``batch_size``.
+        batch_size: samples per mini-batch, >= 1.
+
+    Returns:
+        int64 tensor ``[count, batch_size]`` of indices in ``[0, n)``, distinct within each row. With
+        ``batch_size`` 1 it is ``torch.randint(0, n, (count, 1), generator=gen)``.
+
+    Raises:
+        ValueError: ``batch_size`` outside ``[1, n]`` or a negative ``count``.
+    """
+    if not 1 <= batch_size <= n or count < 0:
+        raise ValueError(f"minibatch_indices: batch_size {batch_size} must be in [1, {n}] and count {count} >= 0")
+    if batch_size == 1:
+        return torch.randint(0, n, (count, 1), generator=gen)
+    if batch_size * (batch_size - 1) <= n:
+        # few collisions (a row repeats an index with probability below about 1/2): uniform tuples, the rows that
+        # repeat an index drawn again until none does, which leaves every distinct tuple equally likely
+        table = torch.randint(0, n, (count, batch_size), generator=gen)
+        while True:
+            ordered = table.sort(dim=1).values
+            redo = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero().flatten()
+            if redo.numel() == 0:
+                return table
+            table[redo] = torch.randint(0, n, (redo.numel(), batch_size), generator=gen)
+    # else the first batch_size of a random permutation per row (the smallest of n uniform keys), in chunks of
+    # about 4 M keys
+    per = max(1, (1 << 22) // n)
+    return torch.cat([torch.rand(min(per, count - i), n, generator=gen).argsort(dim=1)[:, :batch_size]
+                      for i in range(0, count, per)]) if count else torch.empty(0, batch_size, dtype=torch.int64)
+
+
 #: the most target layers block reconstruction trains together; a longer stretch between two cuts (a long skip
 #: connection, say) trains layer by layer
 MAX_BLOCK_LAYERS = 8
@@ -659,12 +701,12 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
     # iterations for a non-finite loss, instead of once per iteration (a GPU synchronisation each)
     window_sum = None
     nonfinite = None
-    # Without QDrop the generator draws nothing but the mini-batches: draw them all at once (the same numbers
-    # as one draw per mini-batch) and put them on the device in one copy, instead of a host-to-device copy per
+    # Without QDrop the generator draws nothing but the mini-batches: draw them all at once
+    # (:func:`minibatch_indices`) and put them on the device in one copy, instead of a host-to-device copy per
     # mini-batch (each a synchronisation on a GPU)
     table = dev_table = rows = None
     if s.drop_ratio >= 1.0:
-        table = torch.randint(0, n, (s.num_iterations * s.num_batches, bs), generator=gen)
+        table = minibatch_indices(gen, s.num_iterations * s.num_batches, n, bs)
         dev_table = table.to(device) if lossfn is None else None
         rows = table.tolist() if quad is not None else None  # the Gram matrices sum samples by Python index
         if lossfn is not None and quad is None:  # the direct loss's rows of indices, where its inputs live (one copy)
@@ -711,7 +753,7 @@ def _reconstruct(layers, fn, ld, s: FastFinetuneSettings, index: int, progress: 
                         for pq, v in zip(pqs, vs):
                             pq.override = v.requires_grad_()
             for _ in range(s.num_batches):  # NumBatches mini-batches accumulate into one step
-                idx = torch.randint(0, n, (bs,), generator=gen) if table is None else \
+                idx = minibatch_indices(gen, 1, n, bs)[0] if table is None else \
                     rows[draw] if rows is not None else table[draw]
                 draw += 1
                 if lossfn is not None:  # the same mini-batch loss and gradient, written out

@@ -94,7 +94,7 @@ class FastFinetuneSettings:
     optim_algorithm: OptimAlgorithm = OptimAlgorithm.ADAROUND
     num_iterations: int = 1000
     learning_rate: float = 0.1
-    batch_size: int = 1
+    batch_size: int = 1  # distinct samples per mini-batch (drawn afresh each mini-batch: minibatch_indices)
     data_size: Optional[int] = None
     fixed_seed: int = 1705472343
     early_stop: bool = False

@@ -1258,24 +1258,31 @@ def test_float_adaquant_step_equals_autograd(monkeypatch, config, kernels):
 @pytest.mark.parametrize("config", ["BF16", "FP16"])
 def test_float_adaquant_trains_with_the_written_out_step(monkeypatch, config):
     """fast_finetune's AdaQuant on BF16 / FP16 takes the written-out step on every layer, ends where autograd's
-    training ends (to the float roundings that the format's rounding flips amplify) and exports bit-exactly. (At
-    Quark's learning rate AdaQuant barely moves this small model's losses, up or down, either way: the test
-    asserts the agreement, not a gain.)"""
+    training ends and exports bit-exactly. At Quark's learning rate FP16's steps cross its grid points every few
+    iterations, so the two paths' float roundings (the weight gradient's summation order) take one FixedSeed's
+    training to different flips: its summed loss after moves by about 10 % between them, as it does from seed
+    to seed. The test compares the mean over four FixedSeeds, where the two agree to 0.2 % (6 seeds measured).
+    (AdaQuant barely moves this small model's losses, up or down, either way: the test asserts the agreement,
+    not a gain.)"""
     from qtorch_onnx.algorithms.adaquant import FloatAdaQuantStep
 
     calls = _count_set_grads(monkeypatch, FloatAdaQuantStep)
     totals = {}
     for manual in (False, True):
-        qm = _prepared(config)
-        fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=60, batch_size=2, learning_rate=1e-5,
-                      progress=False, manual_gradient=manual)
-        recs = qm.finetune_report.layers
-        totals[manual] = (sum(r.loss_before for r in recs), sum(r.loss_after for r in recs))
-        assert calls["n"] == (4 * 60 if manual else 0)
-        if manual:
-            _bit_exact(qm, calib_data(3, seed=9))
+        runs = []
+        for seed in range(4):
+            qm = _prepared(config)
+            calls["n"] = 0
+            fast_finetune(qm, calib_data(16), algorithm="adaquant", num_iterations=60, batch_size=2,
+                          learning_rate=1e-5, progress=False, manual_gradient=manual, fixed_seed=seed)
+            recs = qm.finetune_report.layers
+            runs.append((sum(r.loss_before for r in recs), sum(r.loss_after for r in recs)))
+            assert calls["n"] == (4 * 60 if manual else 0)
+            if manual and seed == 0:
+                _bit_exact(qm, calib_data(3, seed=9))
+        totals[manual] = np.mean(runs, axis=0)
     (before, autograd), (_, written) = totals[False], totals[True]
-    assert abs(written - autograd) <= 0.1 * before, totals
+    assert abs(written - autograd) <= 0.05 * before, totals
 
 
 def test_bfp16_adaquant_trains_with_the_written_out_step(monkeypatch):
@@ -1320,30 +1327,43 @@ def test_manual_gradient_matches_autograd_training(monkeypatch, algorithm, kw, s
     for fused in (ffm._FusedGramIteration, ffm._FusedGramAdaRound):  # a small Gram-matrix layer's step in one call
         monkeypatch.setattr(fused, "__call__", lambda self, idx, beta=None, _o=fused.__call__:
                             calls.__setitem__("n", calls["n"] + 1) or _o(self, idx, beta))
+    # AdaQuant at Quark's learning rate barely moves this small model's losses, up or down, and its straight-
+    # through rounding flips take each float path's roundings to other flips: one FixedSeed's summed loss after
+    # moves by up to 10 % between the paths, as it does between seeds. Its totals are compared on the mean over
+    # three FixedSeeds (within 2 % of each other, measured), AdaRound's (which lowers every layer's loss) on one.
+    seeds = (None, 1, 2) if algorithm == "adaquant" else (None,)
     reps = {}
     modes = ["autograd", "torch"] + (["fused"] if cpu_steps.available() else [])
     for mode in modes:
         monkeypatch.setenv(cpu_steps.ENV_SWITCH, "0" if mode == "torch" else "1")
         for quadratic in (False, True):
-            qm = _prepared("A8W8")
-            fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=200, batch_size=2,
-                          progress=False, quadratic_loss=quadratic, manual_gradient=mode != "autograd", **kw)
-            reps[mode, quadratic] = qm.finetune_report.layers
-            if mode != "autograd" and quadratic:
-                _bit_exact(qm, calib_data(3, seed=9))
-        assert calls["n"] == (0 if mode == "autograd" else 1600)  # 4 layers x 200 iterations, both loss paths
+            for seed in seeds:
+                qm = _prepared("A8W8")
+                fast_finetune(qm, calib_data(16), algorithm=algorithm, num_iterations=200, batch_size=2,
+                              progress=False, quadratic_loss=quadratic, manual_gradient=mode != "autograd",
+                              **({} if seed is None else {"fixed_seed": seed}), **kw)
+                reps[mode, quadratic, seed] = qm.finetune_report.layers
+                if mode != "autograd" and quadratic and seed is None:
+                    _bit_exact(qm, calib_data(3, seed=9))
+        # 4 layers x 200 iterations, both loss paths, each seed
+        assert calls["n"] == (0 if mode == "autograd" else 1600 * len(seeds))
         calls["n"] = 0
+
+    def mean_total(mode, quadratic, key):
+        return float(np.mean([sum(getattr(r, key) for r in reps[mode, quadratic, sd]) for sd in seeds]))
+
     for quadratic in (False, True):
-        ref = reps["autograd", quadratic]
+        before = mean_total("autograd", quadratic, "loss_before")
         for mode in modes[1:]:
-            recs = reps[mode, quadratic]
-            assert sum(r.loss_after for r in recs) < sum(r.loss_before for r in recs)
-            assert abs(sum(r.loss_after for r in recs) - sum(r.loss_after for r in ref)) <= \
-                0.1 * sum(r.loss_before for r in ref)
-            for a, b in zip(ref, recs):
-                assert b.loss_after < b.loss_before or algorithm == "adaquant"  # AdaQuant without SelectiveUpdate
-                if mode == "torch":
-                    assert abs(b.loss_after - a.loss_after) <= 0.1 * a.loss_before, (a, b)
+            if algorithm == "adaround":
+                assert mean_total(mode, quadratic, "loss_after") < mean_total(mode, quadratic, "loss_before")
+            assert abs(mean_total(mode, quadratic, "loss_after") - mean_total("autograd", quadratic, "loss_after")) \
+                <= 0.1 * before, (mode, quadratic)
+            for sd in seeds:
+                for a, b in zip(reps["autograd", quadratic, sd], reps[mode, quadratic, sd]):
+                    assert b.loss_after < b.loss_before or algorithm == "adaquant"  # AdaQuant without SelectiveUpdate
+                    if mode == "torch":
+                        assert abs(b.loss_after - a.loss_after) <= 0.1 * a.loss_before, (a, b)
 
 
 @pytest.mark.parametrize("kernel,stride,padding,groups", [
@@ -2214,3 +2234,24 @@ def test_zero_pad_hw_takes_only_zero_padding_of_the_plane():
               OnnxPad18("constant", ([0, 0, -1, 1, 0, 0, 1, 1], 0.0, None)),
               OnnxPad18("constant")):
         assert rc._zero_pad_hw(m) is None, (m.mode, m.baked)
+
+
+@pytest.mark.parametrize("n,batch_size", [(16, 2), (5, 4), (6, 6), (40, 3)])
+def test_minibatch_indices_are_distinct_within_a_batch_and_uniform(n, batch_size):
+    """A mini-batch of BatchSize holds distinct samples (Quark 0.13's ``randperm(N)[:BatchSize]``), every sample
+    is drawn equally often, the draw is the generator's alone (the same seed, the same table), and BatchSize 1 is
+    plain ``randint``."""
+    from qtorch_onnx.algorithms.fast_finetune import minibatch_indices
+
+    t = minibatch_indices(torch.Generator().manual_seed(3), 6000, n, batch_size)
+    assert t.shape == (6000, batch_size) and t.dtype == torch.int64
+    assert int(t.min()) >= 0 and int(t.max()) < n
+    assert not bool((t.sort(dim=1).values.diff(dim=1) == 0).any())
+    counts = torch.bincount(t.flatten(), minlength=n).double()
+    expected = 6000 * batch_size / n
+    assert float((counts - expected).abs().max()) < 6 * math.sqrt(expected)  # about 6 standard deviations
+    assert torch.equal(t, minibatch_indices(torch.Generator().manual_seed(3), 6000, n, batch_size))
+    assert torch.equal(minibatch_indices(torch.Generator().manual_seed(4), 7, n, 1),
+                       torch.randint(0, n, (7, 1), generator=torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="batch_size"):
+        minibatch_indices(torch.Generator(), 1, n, n + 1)
