@@ -486,11 +486,13 @@ def minibatch_indices(gen: torch.Generator, count: int, n: int, batch_size: int)
         return torch.randint(0, n, (count, 1), generator=gen)
     if batch_size * (batch_size - 1) <= n:
         # few collisions (a row repeats an index with probability below about 1/2): uniform tuples, the rows that
-        # repeat an index drawn again until none does, which leaves every distinct tuple equally likely
+        # repeat an index drawn again until none does, which leaves every distinct tuple equally likely; only the
+        # rows just drawn again are checked again
         table = torch.randint(0, n, (count, batch_size), generator=gen)
+        redo = torch.arange(count)
         while True:
-            ordered = table.sort(dim=1).values
-            redo = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero().flatten()
+            ordered = table[redo].sort(dim=1).values
+            redo = redo[(ordered[:, 1:] == ordered[:, :-1]).any(dim=1)]
             if redo.numel() == 0:
                 return table
             table[redo] = torch.randint(0, n, (redo.numel(), batch_size), generator=gen)
