@@ -113,6 +113,14 @@ class _SetBack:
 
 
 def run_seed(path: str, args, calib, evals, yf, float_a, seed: int) -> dict:
+    """One FixedSeed: prepare, calibrate, finetune (``args``' setting, algorithm, iterations, BatchSize), then the
+    set-backs and the simulated check. ``evals`` / ``yf``: the held-out samples and the float model's outputs on
+    them; ``float_a``: ONNX Runtime's float output of each layer on held-out half A (:func:`_float_layer_outputs`).
+    Returns the seed's record (errors, per-layer rows, the layers the check set back).
+
+    Raises:
+        RuntimeError: the model's error differs after the set-backs from before them (a layer not restored).
+    """
     import qtorch_onnx as qo
 
     ft = dict(ftq.ft_dict(args.algorithm, args.iterations, len(calib), args.batch_size), FixedSeed=seed)
@@ -162,6 +170,8 @@ def run_seed(path: str, args, calib, evals, yf, float_a, seed: int) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """A seeds x layers map of each layer's ``effect`` (held-out error finetuned minus set back), written to
+    ``path`` atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
