@@ -23,7 +23,8 @@ BatchSize, LearningRate, FixedSeed, DataSize, EarlyStop False so that every laye
 OptimDevice / InferDevice cpu, TargetOpType; AdaQuant also UpdateBias True, which Quark does when the key is
 absent) and the same calibration data (the zoo's ``calib`` split, 16 images, batch 1 each). ``--seeds N``
 runs the A8W8 AdaQuant row with the most iterations of each model (``--seed-settings``: of these settings) again
-with FixedSeed 1 .. N-1 on both sides (the seed moves that row's error more than the tools differ); that row's
+with FixedSeed 1 .. N-1 on both sides (``--first-seed K``: K .. K+N-2, so that a second run adds seeds to a first
+run's; the seed moves that row's error more than the tools differ); that row's
 targets then also judge the accuracy on the mean over the seeds (``accuracy_at_least_quark_seed_mean``,
 :func:`judge_on_seeds`):
 
@@ -543,6 +544,10 @@ def main(argv=None) -> int:
                     help="FixedSeeds for the AdaQuant rows with the most iterations (both sides; default 1): at 16 "
                          "calibration images the seed moves the output error by several thousandths, more than the "
                          "two tools differ")
+    ap.add_argument("--first-seed", type=int, default=1,
+                    help="the first of the --seeds runs' N-1 extra FixedSeeds (default 1: seeds 1 .. N-1; e.g. "
+                         "--first-seed 8 --seeds 9 runs seeds 8 .. 15 beside the default seed, to add to a run of "
+                         "--seeds 8)")
     ap.add_argument("--seed-settings", nargs="+", default=["A8W8"],
                     help="the settings whose AdaQuant row with the most iterations --seeds reruns (default A8W8; "
                          "BFP16 adds Quark's 2-5 minutes a seed)")
@@ -556,6 +561,9 @@ def main(argv=None) -> int:
         bad = sorted(set(given) - known)
         if bad:
             ap.error(f"{name}: unknown setting(s) {', '.join(bad)}; valid: {', '.join(sorted(known))}")
+    if args.first_seed < 0 or args.first_seed <= SEED < args.first_seed + args.seeds - 1:
+        ap.error(f"--first-seed must be >= 0 and its seeds must not include the default FixedSeed {SEED}, got "
+                 f"{args.first_seed}")
     if args.quark_ort_threads < 0:
         ap.error(f"--quark-ort-threads must be >= 0 (0: ONNX Runtime's defaults), got {args.quark_ort_threads}")
     out = Path(args.out).resolve()  # the worker runs in a temporary folder
@@ -585,7 +593,7 @@ def main(argv=None) -> int:
                      "qtorch_onnx": getattr(qtorch_onnx, "__version__", "?"), "torch_threads": torch.get_num_threads()},
         "quark_ort_threads": args.quark_ort_threads or "default",
         "loadavg_start": os.getloadavg(), "quick": args.quick, "batch_size": args.batch_size,
-        "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {},
+        "budget_minutes": args.budget_minutes, "rows": [], "skipped": [], "models": {}, "first_seed": args.first_seed,
         "ours_device": args.ours_device,
         # our algorithms tune glibc's heap while they run (qtorch_onnx.heap; QTORCH_ONNX_TUNE_HEAP=0: off); Quark's
         # process gets what its environment says (MALLOC_*_ variables, if any)
@@ -769,7 +777,7 @@ def main(argv=None) -> int:
                                          args.seed_settings):
             row["seed_runs"] = [{"seed": SEED, "quark": q.get("rel_error"), "ours": o.get("rel_error")}]
             for k in range(1, args.seeds):
-                sd = k  # FixedSeed 1, 2, ...
+                sd = args.first_seed + k - 1  # FixedSeed 1, 2, ... (--first-seed K: K, K + 1, ...)
                 ft_k = dict(ft, FixedSeed=sd)
                 sdir = rdir / f"seed{sd}"
                 sdir.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,16 @@ def test_benchmark_refuses_unknown_seed_settings(capsys):
     assert "--seed-settings: unknown setting(s) BFP61; valid:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("first", ["-1", str(1705472343 - 2)])
+def test_benchmark_refuses_a_first_seed_below_zero_or_reaching_the_default_seed(first, capsys):
+    bench = _module("fast_finetune_vs_quark")
+    assert bench.SEED == 1705472343
+    with pytest.raises(SystemExit):
+        bench.main(["--seeds", "4", "--first-seed", first])
+    assert f"--first-seed must be >= 0 and its seeds must not include the default FixedSeed {bench.SEED}, got {first}" \
+        in capsys.readouterr().err
+
+
 def test_quark_model_outputs_falls_back_to_the_workers_outputs(tmp_path):
     bench = _module("fast_finetune_vs_quark")
     samples = [{"x": np.full((2, 3), v, dtype=np.float32)} for v in (-1.0, 2.0)]
