@@ -90,32 +90,39 @@ def _float_layer_outputs(path: str, layers, samples) -> Dict[str, torch.Tensor]:
     return {l.name: torch.from_numpy(np.concatenate([r[i] for r in runs])) for i, l in enumerate(layers)}
 
 
+def _values(layer):
+    """A copy of ``layer``'s weight and bias (None without one)."""
+    return layer.weight.detach().clone(), layer.bias.detach().clone() if layer.bias is not None else None
+
+
+def _assign(layer, values) -> None:
+    """Write ``values`` (:func:`_values`) into ``layer``'s weight and bias in place."""
+    w, b = values
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        if b is not None:
+            layer.bias.copy_(b)
+
+
 class _SetBack:
-    """Within the context, ``layer``'s weight and bias hold their values from before the finetune."""
+    """Within the context, ``layer``'s weight and bias hold ``saved`` (their values from before the finetune)."""
 
     def __init__(self, layer, saved):
         self.layer, self.saved = layer, saved
 
     def __enter__(self):
-        l, (w, b) = self.layer, self.saved
-        self.now = (l.weight.detach().clone(), l.bias.detach().clone() if l.bias is not None else None)
-        with torch.no_grad():
-            l.weight.copy_(w)
-            if b is not None:
-                l.bias.copy_(b)
+        self.now = _values(self.layer)
+        _assign(self.layer, self.saved)
 
     def __exit__(self, *exc):
-        l, (w, b) = self.layer, self.now
-        with torch.no_grad():
-            l.weight.copy_(w)
-            if b is not None:
-                l.bias.copy_(b)
+        _assign(self.layer, self.now)
 
 
 def run_seed(path: str, args, calib, evals, yf, float_a, seed: int) -> dict:
     """One FixedSeed: prepare, calibrate, finetune (``args``' setting, algorithm, iterations, BatchSize), then the
     set-backs and the simulated check. ``evals`` / ``yf``: the held-out samples and the float model's outputs on
-    them; ``float_a``: ONNX Runtime's float output of each layer on held-out half A (:func:`_float_layer_outputs`).
+    them; ``float_a``: ONNX Runtime's float output of each layer on held-out half A (:func:`_float_layer_outputs`),
+    filled on the first seed's call (the same layers on every seed).
     Returns the seed's record (errors, per-layer rows, the layers the check set back).
 
     Raises:
@@ -129,13 +136,14 @@ def run_seed(path: str, args, calib, evals, yf, float_a, seed: int) -> dict:
     samples = qo.data.to_samples(ftq.Reader(calib), qm.input_specs)
     qo.calibrate(qm, samples, progress=False)
     layers = qm.layers(resolved.fast_finetune.target_op_type)
-    saved = {l.name: (l.weight.detach().clone(), l.bias.detach().clone() if l.bias is not None else None)
-             for l in layers}
+    saved = {l.name: _values(l) for l in layers}
+    half = len(evals) // 2
+    if not float_a:
+        float_a.update(_float_layer_outputs(path, layers, evals[:half]))
     t0 = time.perf_counter()
     qo.fast_finetune(qm, samples, resolved.fast_finetune, progress=False)
     qm.eval()
     rec = {"seed": seed, "finetune_seconds": time.perf_counter() - t0}
-    half = len(evals) // 2
     rec["error"] = ftq.rel_error(_outputs(qm, evals), yf)
     rec["error_b"] = ftq.rel_error(_outputs(qm, evals[half:]), yf[half:])
     losses = {r.name: (r.loss_before, r.loss_after) for r in qm.finetune_report.layers}
@@ -156,13 +164,9 @@ def run_seed(path: str, args, calib, evals, yf, float_a, seed: int) -> dict:
         raise RuntimeError(f"seed {seed}: the finetuned model gives {again!r} after the set-backs, {rec['error']!r} "
                            "before: a layer set back was not restored")
     rising = [r["layer"] for r in rows if r["heldout_a_loss_finetuned"] > r["heldout_a_loss_set_back"]]
-    with torch.no_grad():
-        for l in layers:
-            if l.name in rising:
-                w, b = saved[l.name]
-                l.weight.copy_(w)
-                if b is not None:
-                    l.bias.copy_(b)
+    for l in layers:
+        if l.name in rising:
+            _assign(l, saved[l.name])
     rec["error_b_checked"] = ftq.rel_error(_outputs(qm, evals[half:]), yf[half:])
     rec["set_back_by_check"] = rising
     rec["layers"] = rows
@@ -216,12 +220,7 @@ def main(argv=None) -> int:
     calib, _ = zoo.model_inputs(args.model, "calib")
     evals, _ = zoo.model_inputs(args.model, "eval")
     yf = ftq.plain_outputs(path, evals)
-    import qtorch_onnx as qo
-
-    probe = qo.prepare(path, qo.ModelQuantizer(ftq.our_config(args.setting, ftq.ft_dict(
-        args.algorithm, args.iterations, len(calib), args.batch_size))).resolved)
-    float_a = _float_layer_outputs(path, probe.layers(list(ftq.TARGET_OPS)), evals[:len(evals) // 2])
-    del probe
+    float_a: Dict[str, torch.Tensor] = {}  # filled by the first seed's run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"model": args.model, "setting": args.setting, "algorithm": args.algorithm,

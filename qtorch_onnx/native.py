@@ -60,7 +60,8 @@ def cpu_id() -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``), else the platform's processor or machine."""
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; the alphabetically first where the cores differ),
+    else the platform's processor or machine."""
     lines = _cpuinfo("model name")
     return lines[0].split(":", 1)[1].strip() if lines else (platform.processor() or platform.machine())
 
